@@ -1,0 +1,57 @@
+"""ORT KV-cache backends: an encoder graph run once, then one decoder step per token.
+
+The encoder graph also returns every decoder layer's cross-attention keys/values, so they are
+computed once per sentence. The decoder takes the newest token and the self-attention cache, and
+returns the cache grown by one position. The first step feeds an empty past (length 0).
+Serves both `ort_fp32_kv_cache` and `ort_fp16` (graphs `decoder_fp16` etc.).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ort_session import SessionConfig, create_session, session_info
+
+_NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+@dataclass
+class _State:
+    attention_mask: np.ndarray  # (b, s)
+    cross: list[np.ndarray]  # per layer key, value: (b, h, s, d)
+    past: list[np.ndarray]  # per layer key, value: (b, h, p, d)
+
+
+class KVCacheStepModel:
+    def __init__(self, manifest, config: SessionConfig, encoder: str = "encoder", decoder: str = "decoder"):
+        enc_path, dec_path = manifest.verify_graph(encoder), manifest.verify_graph(decoder)
+        self.encoder = create_session(enc_path, config)
+        self.decoder = create_session(dec_path, config)
+        model = manifest.data["model"]
+        self.layers = model["decoder_layers"]
+        self.heads = model["decoder_attention_heads"]
+        self.head_dim = model["d_model"] // self.heads
+        self.cross_names = [o.name for o in self.encoder.get_outputs()][1:]
+        self.past_names = [i.name for i in self.decoder.get_inputs() if i.name.startswith("past.")]
+        self.present_names = [o.name for o in self.decoder.get_outputs() if o.name.startswith("present.")]
+        past_type = {i.name: i.type for i in self.decoder.get_inputs()}[self.past_names[0]]
+        self.cache_dtype = _NP_TYPES[past_type]
+        precision = manifest.graph(decoder)["precision"]
+        self.info = session_info(self.decoder, dec_path, config, precision)
+        self.info["graph"] = f"{enc_path.name} + {dec_path.name}"
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
+        outputs = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
+        batch = input_ids.shape[0]
+        empty = np.zeros((batch, self.heads, 0, self.head_dim), dtype=self.cache_dtype)  # (b, h, 0, d)
+        return _State(attention_mask, list(outputs), [empty] * (2 * self.layers))
+
+    def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
+        feeds = {"input_ids": decoder_ids[:, -1:], "encoder_attention_mask": state.attention_mask}  # (b, 1)
+        feeds.update(zip(self.cross_names, state.cross))
+        feeds.update(zip(self.past_names, state.past))
+        logits, *present = self.decoder.run(["logits", *self.present_names], feeds)
+        state.past = present  # (b, h, p + 1, d) each
+        return logits[:, -1, :].astype(np.float32, copy=False)  # (b, V)

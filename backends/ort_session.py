@@ -1,0 +1,67 @@
+"""ONNX Runtime session settings, in one place for every ORT backend."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import onnxruntime as ort
+except ImportError as e:  # pragma: no cover - the pinned environment has it
+    raise RuntimeError("the ONNX Runtime backends require the onnxruntime package") from e
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except ImportError:
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    # Intra-op threads; None = the machine's physical cores (more only oversubscribes them).
+    threads: int | None = None
+    # "auto" takes CUDA when onnxruntime-gpu and a GPU are present, else the CPU.
+    provider: str = "auto"
+
+    def __post_init__(self):
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
+        if self.provider not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"provider must be one of: auto, cpu, cuda; got {self.provider!r}")
+
+    def providers(self) -> list[str]:
+        available = ort.get_available_providers()
+        if self.provider == "cuda" or (self.provider == "auto" and "CUDAExecutionProvider" in available):
+            if "CUDAExecutionProvider" not in available:
+                raise ValueError(f"provider 'cuda' asked for, but this onnxruntime offers: {', '.join(available)}")
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    def resolved_threads(self) -> int:
+        return self.threads or physical_cores()
+
+
+def create_session(path: Path, config: SessionConfig) -> "ort.InferenceSession":
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = config.resolved_threads()
+    # One request at a time per process: a second inter-op pool would only compete for the cores.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), sess_options=options, providers=config.providers())
+
+
+def session_info(session: "ort.InferenceSession", path: Path, config: SessionConfig, precision: str) -> dict:
+    return {
+        "runtime": f"ONNX Runtime {ort.__version__}",
+        "provider": session.get_providers()[0],
+        "precision": precision,
+        "graph": path.name,
+        "threads": config.resolved_threads(),
+    }

@@ -1,0 +1,40 @@
+"""ORT fp32 single-step: the `full` graph recomputes encoder and decoder over all tokens each step.
+
+The naive migration, kept as the baseline the KV cache is measured against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ort_session import SessionConfig, create_session, session_info
+
+
+@dataclass
+class _State:
+    input_ids: np.ndarray  # (b, s)
+    attention_mask: np.ndarray  # (b, s)
+
+
+class FullGraphStepModel:
+    def __init__(self, manifest, config: SessionConfig):
+        path = manifest.verify_graph("full")
+        self.session = create_session(path, config)
+        self.info = session_info(self.session, path, config, "fp32")
+
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
+        # Nothing to cache: the full graph re-encodes the source at every step.
+        return _State(input_ids, attention_mask)
+
+    def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
+        (logits,) = self.session.run(
+            ["logits"],
+            {
+                "input_ids": state.input_ids,
+                "attention_mask": state.attention_mask,
+                "decoder_input_ids": decoder_ids,  # (b, t): every token so far
+            },
+        )  # (b, t, V)
+        return logits[:, -1, :]

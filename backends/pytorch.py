@@ -1,0 +1,80 @@
+"""The reference: the HF MarianMTModel in PyTorch eager mode, with transformers' own KV cache.
+
+The only backend module that imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover
+    raise RuntimeError("the pytorch backend requires torch (pip install torch==2.13.0)") from e
+
+
+@dataclass
+class _State:
+    encoder_outputs: Any
+    attention_mask: "torch.Tensor"
+    cache: Any
+
+
+class TorchStepModel:
+    def __init__(self, model_source: str | Path, threads: int | None = None):
+        from transformers import MarianMTModel
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = MarianMTModel.from_pretrained(str(model_source)).eval()
+        self.threads = torch.get_num_threads()
+
+    @torch.inference_mode()
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        mask = torch.from_numpy(attention_mask)
+        enc = self.model.get_encoder()(input_ids=torch.from_numpy(input_ids), attention_mask=mask)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        return _State(encoder_outputs=enc, attention_mask=mask, cache=cache)
+
+    @torch.inference_mode()
+    def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
+        out = self.model(
+            encoder_outputs=state.encoder_outputs,
+            attention_mask=state.attention_mask,
+            decoder_input_ids=torch.from_numpy(decoder_ids[:, -1:]),  # (b, 1): the cache holds the rest
+            cache=state.cache,
+            use_cache=True,
+            return_dict=True,
+        )
+        state.cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        return out.logits[:, -1, :].float().numpy()  # (b, V)
+
+
+def source_model_of(manifest) -> Path | str:
+    """The PyTorch weights behind an export: the folder recorded at export, or its hub id."""
+    source = manifest.data["source_model"]
+    local = Path(source["path"]) if source.get("path") else None
+    if local is not None and local.is_dir():
+        return local
+    if source.get("hub_id"):
+        return source["hub_id"]
+    raise FileNotFoundError(
+        f"the PyTorch backend needs the source model {source}: the folder is gone and no hub id is recorded"
+    )
+
+
+def info(step_model: TorchStepModel, source) -> dict[str, Any]:
+    return {
+        "runtime": f"PyTorch {torch.__version__} eager",
+        "provider": "CPU",
+        "precision": "fp32",
+        "graph": f"{source} (transformers MarianMTModel)",
+        "threads": step_model.threads,
+        "interop_threads": torch.get_num_interop_threads(),
+    }

@@ -1,0 +1,52 @@
+"""python -m export SRC --out DIR: a HF Marian model to verified ONNX graphs plus manifest.json."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .fixtures import DEFAULT_CORPUS
+from .graphs import DEFAULT_OPSET, ExportError
+from .pipeline import ExportOptions, VerificationFailed, export
+from .source import SourceError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    parser.add_argument("src", help="local Marian model folder, or a hub id where a hub is reachable")
+    parser.add_argument("--out", type=Path, required=True, help="export folder to create")
+    parser.add_argument("--force", action="store_true", help="replace an existing export folder")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
+    parser.add_argument("--no-verify", action="store_true", help="skip parity verification (not recommended)")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="folder with dev.tsv for verification")
+    parser.add_argument("--verify-sentences", type=int, default=16)
+    parser.add_argument("--verify-max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        options = ExportOptions(
+            out=args.out,
+            force=args.force,
+            opset=args.opset,
+            verify=not args.no_verify,
+            corpus=args.corpus,
+            verify_sentences=args.verify_sentences,
+            verify_max_new_tokens=args.verify_max_new_tokens,
+            threads=args.threads,
+        )
+        out = export(args.src, options)
+    except (FileExistsError, SourceError, ExportError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except VerificationFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"export written to {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

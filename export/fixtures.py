@@ -1,0 +1,232 @@
+"""Local Marian model folders for tests and benchmarks: no hub needed.
+
+`python -m export.fixtures opus-mt-random --out DIR` writes a random-weight MarianMTModel with
+exactly opus-mt-en-zh's configuration and a working MarianTokenizer with 65001 ids: the same compute
+per decode step as the real model, so it is the speed and memory fixture at real scale.
+`tiny` writes a two-layer model small enough to export in seconds, for the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus"
+REFERENCE_CONFIG = REPO_ROOT.parent / "shared" / "reference" / "opus-mt-en-zh" / "config.json"
+
+EOS, UNK, PAD = "</s>", "<unk>", "<pad>"
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    # Sentencepiece vocabulary sizes, trained on a corpus sample; the joint vocab.json is then
+    # padded with unused entries up to `vocab_size` so the embedding has the intended shape.
+    source_spm_size: int
+    target_spm_size: int
+    vocab_size: int | None  # None: exactly the spm pieces plus specials
+    sample_pairs: int
+    # Chinese has thousands of characters; a small target vocabulary must leave rare ones to <unk>.
+    target_coverage: float = 0.9995
+
+
+FIXTURES = {
+    "tiny": FixtureSpec(
+        source_spm_size=400, target_spm_size=1000, vocab_size=None, sample_pairs=4000, target_coverage=0.98
+    ),
+    "opus-mt-random": FixtureSpec(
+        source_spm_size=4000, target_spm_size=4000, vocab_size=65001, sample_pairs=30000
+    ),
+}
+
+
+def read_pairs(corpus_dir: Path, limit: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Read `train.tsv` (source, en, zh; tab-separated, no quoting) and sample `limit` pairs."""
+    path = corpus_dir / "train.tsv"
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus file not found: {path} (pass --corpus)")
+    pairs = []
+    with path.open(encoding="utf-8") as f:
+        next(f)
+        for line in f:
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) == 3 and fields[1] and fields[2]:
+                pairs.append((fields[1], fields[2]))
+    random.Random(seed).shuffle(pairs)
+    return pairs[:limit]
+
+
+def _train_spm(lines: list[str], model_path: Path, vocab_size: int, character_coverage: float) -> None:
+    import sentencepiece as spm
+
+    spm.set_random_generator_seed(0)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as f:
+        f.write("\n".join(lines))
+        text_path = f.name
+    try:
+        spm.SentencePieceTrainer.train(
+            input=text_path,
+            model_prefix=str(model_path.with_suffix("")),
+            vocab_size=vocab_size,
+            model_type="unigram",
+            character_coverage=character_coverage,
+            # Marian's vocab.json owns the special ids; spm only needs its own unk.
+            bos_id=-1,
+            eos_id=-1,
+            pad_id=-1,
+            unk_id=0,
+            hard_vocab_limit=False,
+            num_threads=2,
+            minloglevel=2,
+        )
+    finally:
+        Path(text_path).unlink()
+    model_path.with_suffix(".model").rename(model_path)
+    model_path.with_suffix(".vocab").unlink()
+
+
+def write_tokenizer(out: Path, pairs: list[tuple[str, str]], spec: FixtureSpec) -> int:
+    """Write source.spm, target.spm, vocab.json and tokenizer_config.json; return the vocab size.
+
+    Follows opus-mt-en-zh: `</s>` = 0, `<unk>` = 1, pieces of both languages in one joint vocab,
+    `<pad>` as the last id (also the decoder start token).
+    """
+    import sentencepiece as spm
+
+    _train_spm([en for en, _ in pairs], out / "source.spm", spec.source_spm_size, 1.0)
+    _train_spm([zh for _, zh in pairs], out / "target.spm", spec.target_spm_size, spec.target_coverage)
+
+    vocab: dict[str, int] = {EOS: 0, UNK: 1}
+    for name in ("source.spm", "target.spm"):
+        sp = spm.SentencePieceProcessor(model_file=str(out / name))
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if piece not in vocab and piece not in (PAD, "<s>"):
+                vocab[piece] = len(vocab)
+    if spec.vocab_size is not None:
+        if len(vocab) + 1 > spec.vocab_size:
+            raise ValueError(f"{len(vocab) + 1} pieces do not fit a vocabulary of {spec.vocab_size}")
+        while len(vocab) < spec.vocab_size - 1:
+            vocab[f"<unused_{len(vocab)}>"] = len(vocab)
+    vocab[PAD] = len(vocab)
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "MarianTokenizer",
+                "source_lang": "en",
+                "target_lang": "zh",
+                "eos_token": EOS,
+                "unk_token": UNK,
+                "pad_token": PAD,
+                "model_max_length": 512,
+                "separate_vocabs": False,
+            },
+            indent=1,
+        ),
+        encoding="utf-8",
+    )
+    return len(vocab)
+
+
+def tiny_config(vocab_size: int) -> dict:
+    pad = vocab_size - 1
+    return {
+        "architectures": ["MarianMTModel"],
+        "model_type": "marian",
+        "activation_function": "swish",
+        "d_model": 32,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "max_position_embeddings": 512,
+        "scale_embedding": True,
+        "static_position_embeddings": True,
+        "normalize_before": False,
+        "vocab_size": vocab_size,
+        "decoder_vocab_size": vocab_size,
+        "pad_token_id": pad,
+        "decoder_start_token_id": pad,
+        "eos_token_id": 0,
+        "bos_token_id": 0,
+        "bad_words_ids": [[pad]],
+        "max_length": 512,
+        "num_beams": 1,
+        "dropout": 0.1,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "share_encoder_decoder_embeddings": True,
+        "tie_word_embeddings": True,
+    }
+
+
+def build(name: str, out: Path, corpus: Path = DEFAULT_CORPUS, seed: int = 0, force: bool = False) -> Path:
+    """Build fixture `name` into `out` (written to a temporary folder, then renamed)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    if name not in FIXTURES:
+        raise ValueError(f"unknown fixture {name!r}; expected one of: {', '.join(FIXTURES)}")
+    spec = FIXTURES[name]
+    out = Path(out)
+    if out.exists():
+        if not force:
+            raise FileExistsError(f"{out} exists; pass --force to replace it")
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pairs = read_pairs(corpus, spec.sample_pairs, seed)
+        vocab_size = write_tokenizer(tmp, pairs, spec)
+        if name == "opus-mt-random":
+            config_dict = json.loads(REFERENCE_CONFIG.read_text(encoding="utf-8"))
+            if config_dict["vocab_size"] != vocab_size:
+                raise AssertionError(f"tokenizer has {vocab_size} ids, config expects {config_dict['vocab_size']}")
+        else:
+            config_dict = tiny_config(vocab_size)
+        config = MarianConfig(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
+        torch.manual_seed(seed)
+        model = MarianMTModel(config).eval()
+        model.save_pretrained(tmp, safe_serialization=True)
+        # Fail here, not in a test far away, if transformers cannot read what we wrote.
+        MarianTokenizer.from_pretrained(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.fixtures", description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=sorted(FIXTURES))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        path = build(args.name, args.out, args.corpus, args.seed, args.force)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from transformers import MarianMTModel
+
+    n = sum(p.numel() for p in MarianMTModel.from_pretrained(path).parameters())
+    print(f"wrote {args.name} to {path}: {n / 1e6:.1f}M parameters ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

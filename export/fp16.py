@@ -1,0 +1,74 @@
+"""fp32 -> fp16 graphs with onnxconverter-common's `convert_float_to_float16`.
+
+Two shapes in the dynamo exporter's graphs trip that converter, and both are fixed before and
+after converting (recorded in the sidecar):
+- a graph output that is also read inside the graph (the decoder's `present.*` feed its own
+  attention): with `keep_io_types` the converter casts the output to fp32 and the internal reader
+  then gets fp32 where it expects fp16. We route every such output through an Identity first.
+- a `Cast(to=FLOAT)` (the attention mask turned into an additive bias) keeps `to=FLOAT` while the
+  converter types its output fp16: we retarget those casts to FLOAT16.
+Inputs and outputs stay fp32 (`keep_io_types=True`): the cache and logits cross the session
+boundary in fp32, so the shared decoding loop and the divergence view read the same dtype from
+every backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+# Ops kept in fp32 inside the fp16 graphs. Empty by default: the measured |Δlogit| (in the sidecar)
+# says whether that holds for a given model; the converter's own default block list still applies.
+KEEP_FP32_OPS: list[str] = []
+
+
+def _route_outputs_through_identity(model: onnx.ModelProto) -> list[str]:
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    read_inside = {name for node in graph.node for name in node.input} & outputs
+    for name in sorted(read_inside):
+        internal = f"{name}__internal"
+        for node in graph.node:
+            node.output[:] = [internal if o == name else o for o in node.output]
+            node.input[:] = [internal if i == name else i for i in node.input]
+        graph.node.append(helper.make_node("Identity", [internal], [name], name=f"{name}__identity"))
+    return sorted(read_inside)
+
+
+def _retarget_float_casts(model: onnx.ModelProto) -> int:
+    fp16_values = {
+        v.name for v in model.graph.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16
+    }
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type != "Cast" or node.output[0] not in fp16_values:
+            continue
+        for attr in node.attribute:
+            if attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.FLOAT16
+                changed += 1
+    return changed
+
+
+def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_OPS) -> dict:
+    from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    model = onnx.load(str(src))
+    # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
+    del model.graph.value_info[:]
+    rerouted = _route_outputs_through_identity(model)
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep_fp32_ops))
+    converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
+    casts = _retarget_float_casts(converted)
+    onnx.checker.check_model(converted)
+    onnx.save(converted, str(dst))
+    return {
+        "converter": "onnxconverter_common.float16.convert_float_to_float16",
+        "keep_io_types": True,
+        "kept_fp32_ops": sorted(keep_fp32_ops),
+        "converter_default_block_list_applied": True,
+        "outputs_routed_through_identity": len(rerouted),
+        "casts_retargeted_to_fp16": casts,
+    }

@@ -1,0 +1,260 @@
+"""The export, step by step: load, probe, three fp32 graphs, fp16, verify, sidecar, rename.
+
+Everything is written into a temporary sibling folder and renamed into place only after the
+sidecar is written, so a half-written export is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from backends.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_FILES, sha256_file
+
+from . import fp16, graphs, verify
+from .source import load_source
+
+FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    out: Path
+    force: bool = False
+    opset: int = graphs.DEFAULT_OPSET
+    verify: bool = True
+    corpus: Path | None = None
+    # Verification cost stays small on purpose: 16 sentences x 48 tokens through four backends.
+    verify_sentences: int = 16
+    verify_max_new_tokens: int = 48
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.opset < 17:
+            raise ValueError(f"opset must be >= 17 (LayerNormalization is a single op from 17), got {self.opset}")
+        if self.verify_sentences < 1 or self.verify_max_new_tokens < 1:
+            raise ValueError("verify_sentences and verify_max_new_tokens must be >= 1")
+
+
+class VerificationFailed(RuntimeError):
+    def __init__(self, failures: list[str], kept: Path):
+        self.failures, self.kept = failures, kept
+        super().__init__("fp32 verification failed:\n  " + "\n  ".join(failures) + f"\nthe rejected export is in {kept}")
+
+
+def versions() -> dict[str, str]:
+    import onnxconverter_common
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxconverter-common": onnxconverter_common.__version__,
+        "onnxscript": onnxscript.__version__,
+    }
+
+
+class _Steps:
+    """Prints each step with its duration, as the user watches a long export."""
+
+    def __init__(self, total: int, log=print):
+        self.total, self.n, self.log = total, 0, log
+        self.durations: dict[str, float] = {}
+
+    def run(self, title: str, fn, *args, **kwargs):
+        self.n += 1
+        self.log(f"[{self.n}/{self.total}] {title} ...", flush=True)
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        self.durations[title] = round(seconds, 2)
+        self.log(f"[{self.n}/{self.total}] {title}: done in {seconds:.1f} s", flush=True)
+        return result
+
+
+def _no_dropout(path: Path) -> None:
+    ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    if "Dropout" in ops:
+        raise RuntimeError(f"{path.name} contains Dropout nodes: the model was not exported in eval mode")
+
+
+def _graph_entry(spec: graphs.GraphSpec, precision: str, file: str | None = None) -> dict:
+    entry = spec.describe()
+    entry["precision"] = precision
+    if file:
+        entry["file"] = file
+    return entry
+
+
+def _model_facts(model) -> dict:
+    c = model.config
+    return {
+        "architecture": "MarianMTModel",
+        "d_model": c.d_model,
+        "encoder_layers": c.encoder_layers,
+        "decoder_layers": c.decoder_layers,
+        "encoder_attention_heads": c.encoder_attention_heads,
+        "decoder_attention_heads": c.decoder_attention_heads,
+        "head_dim": c.d_model // c.decoder_attention_heads,
+        "encoder_ffn_dim": c.encoder_ffn_dim,
+        "decoder_ffn_dim": c.decoder_ffn_dim,
+        "activation_function": c.activation_function,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def export(src: str, options: ExportOptions, log=print) -> Path:
+    out = Path(options.out)
+    if out.exists() and not options.force:
+        raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    steps = _Steps(7 if options.verify else 6, log)
+    model, tokenizer, source = steps.run(f"load {src}", load_source, src)
+    config = model.config
+    steps.run("probe: trace each graph on a tiny input", graphs.probe, model, config, options.opset)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        specs = graphs.graph_specs(config)
+        steps.run("export full (single-step) graph", graphs.export_graph, model, config, specs["full"], tmp, options.opset)
+
+        def kv_pair():
+            graphs.export_graph(model, config, specs["encoder"], tmp, options.opset)
+            graphs.export_graph(model, config, specs["decoder"], tmp, options.opset)
+
+        steps.run("export KV-cache encoder + decoder graphs", kv_pair)
+
+        def to_fp16():
+            report = {}
+            for name in ("encoder", "decoder"):
+                report[name] = fp16.convert_to_fp16(tmp / f"{name}.onnx", tmp / f"{name}_fp16.onnx")
+            return report
+
+        fp16_report = steps.run("convert KV-cache pair to fp16", to_fp16)
+        graph_entries = {
+            "full": _graph_entry(specs["full"], "fp32"),
+            "encoder": _graph_entry(specs["encoder"], "fp32"),
+            "decoder": _graph_entry(specs["decoder"], "fp32"),
+            "encoder_fp16": _graph_entry(specs["encoder"], "fp16", "encoder_fp16.onnx"),
+            "decoder_fp16": _graph_entry(specs["decoder"], "fp16", "decoder_fp16.onnx"),
+        }
+        for entry in graph_entries.values():
+            _no_dropout(tmp / entry["file"])
+        tokenizer.save_pretrained(tmp)
+        for extra in ("added_tokens.json", "special_tokens_map.json"):
+            (tmp / extra).unlink(missing_ok=True)
+
+        limit = config.max_position_embeddings
+        bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or [[config.pad_token_id]])]
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "source_model": source,
+            "model": _model_facts(model),
+            "special_tokens": {
+                "pad": config.pad_token_id,
+                "eos": config.eos_token_id,
+                "unk": tokenizer.unk_token_id,
+                "decoder_start": config.decoder_start_token_id,
+                "bad_words_ids": bad_words,
+            },
+            "limits": {
+                "max_source_tokens": limit,  # eos included; sinusoidal positions stop here
+                # The decoder start takes position 0, so at most limit - 1 tokens follow it.
+                "max_new_tokens": limit - 1,
+            },
+            "opset": options.opset,
+            "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
+            "first_step": FIRST_STEP,
+            "graphs": graph_entries,
+            "fp16": {
+                **fp16_report["decoder"],
+                "why_fp32_io": "cache and logits cross the session boundary in fp32 so every backend "
+                "feeds the shared loop the same dtype; fp16 arithmetic stays inside the graphs",
+                "encoder": fp16_report["encoder"],
+            },
+            "versions": versions(),
+            "verification": None,
+            "export_seconds": None,
+            "files": {},
+        }
+
+        def write_manifest():
+            manifest["files"] = {
+                f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+                for f in sorted(tmp.iterdir())
+                if f.is_file() and f.name != MANIFEST_NAME
+            }
+            missing = [f for f in TOKENIZER_FILES if f not in manifest["files"]]
+            if missing:
+                raise RuntimeError(f"tokenizer files not written: {', '.join(missing)}")
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")
+
+        # A provisional sidecar lets verification load the real backends from the partial folder;
+        # nobody else looks there, and the final one replaces it.
+        manifest["verification"] = None
+        write_manifest()
+        if options.verify:
+            sentences = verify.read_dev_sentences(options.corpus, 64)
+            greedy_sentences = verify.read_dev_sentences(options.corpus, options.verify_sentences)
+            result = steps.run(
+                "verify against PyTorch (logits, greedy ids, text)",
+                verify.run,
+                model,
+                tokenizer,
+                tmp,
+                graph_entries,
+                sentences,
+                greedy_sentences,
+                options.verify_max_new_tokens,
+                options.threads,
+            )
+            manifest["verification"] = result
+            log(summarize(result))
+            if not result["fp32_passed"]:
+                rejected = out.with_name(out.name + ".rejected")
+                shutil.rmtree(rejected, ignore_errors=True)
+                manifest["verification"]["fp32_passed"] = False
+                write_manifest()
+                tmp.rename(rejected)
+                raise VerificationFailed(result["failures"], rejected)
+        manifest["export_seconds"] = steps.durations
+        steps.run("write manifest.json and move into place", write_manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def summarize(result: dict) -> str:
+    lines = [f"verification: fp32 {'PASSED' if result['fp32_passed'] else 'FAILED'} (tolerance {result['fp32_tolerance']:g})"]
+    for case in result["logits"]:
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in case["max_abs_logit_diff"].items())
+        lines.append(f"  max |Δlogit| on {case['case']}: {diffs}")
+    g = result["greedy"]
+    for name, r in g["backends"].items():
+        lines.append(
+            f"  greedy {name}: identical ids {r['identical_ids']}/{g['sentences']}, "
+            f"identical text {r['identical_text']}/{g['sentences']}, token agreement {r['token_agreement']:.1%}"
+        )
+    return "\n".join(lines)
