@@ -33,7 +33,7 @@ class SessionConfig:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         if self.provider not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"provider must be one of: auto, cpu, cuda; got {self.provider!r}")
+            raise ValueError(f"unknown provider {self.provider!r}; expected one of: auto, cpu, cuda")
 
     def providers(self) -> list[str]:
         available = ort.get_available_providers()

@@ -55,12 +55,15 @@ def load_source(src: str):
     path = Path(src)
     if path.exists():
         check_local_folder(path)
-        record = {"path": str(path.resolve()), "hub_id": None}
+        weights = next(path / w for w in WEIGHT_FILES if (path / w).is_file())
+        from backends.manifest import sha256_file
+
+        record = {"path": str(path.resolve()), "hub_id": None, "weights_sha256": sha256_file(weights)}
         where = str(path)
     else:
         if src.count("/") != 1 or src.startswith((".", "/")):
             raise SourceError(f"{src} is neither a local folder nor a hub id (owner/name)")
-        record = {"path": None, "hub_id": src}
+        record = {"path": None, "hub_id": src, "weights_sha256": None}
         where = src
     try:
         if record["hub_id"]:

@@ -1,0 +1,75 @@
+"""python -m bench.parity EXPORT_DIR: greedy ids of every backend against PyTorch on dev sentences.
+
+The export's own verification runs 16 sentences; this is the larger check a user runs before
+shipping: by default the first 100 English sentences of ../shared/corpus/dev.tsv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from backends import REFERENCE, SessionConfig, load_backends
+
+DEFAULT_DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "dev.tsv"
+
+
+def read_english(path: Path, count: int) -> list[str]:
+    with path.open(encoding="utf-8") as f:
+        header = f.readline().rstrip("\n").split("\t")
+        column = header.index("en")
+        rows = [line.rstrip("\n").split("\t")[column] for line in f]
+    return rows[:count]
+
+
+def run(export_dir: Path, sentences: list[str], max_new_tokens: int, batch_size: int, threads: int | None) -> dict:
+    backends = load_backends(export_dir, session=SessionConfig(threads=threads))
+    outputs, seconds = {}, {}
+    for name, backend in backends.items():
+        start = time.perf_counter()
+        outputs[name] = []
+        for i in range(0, len(sentences), batch_size):
+            outputs[name] += backend.translate(sentences[i : i + batch_size], max_new_tokens=max_new_tokens)
+        seconds[name] = round(time.perf_counter() - start, 1)
+    ref = outputs[REFERENCE]
+    report = {"export": str(export_dir), "sentences": len(sentences), "max_new_tokens": max_new_tokens, "backends": {}}
+    for name, outs in outputs.items():
+        if name == REFERENCE:
+            continue
+        mismatched = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.token_ids != r.token_ids]
+        report["backends"][name] = {
+            "identical_ids": len(sentences) - len(mismatched),
+            "identical_text": sum(o.text == r.text for o, r in zip(outs, ref)),
+            "mismatched_sentences": [sentences[i] for i in mismatched],
+            "seconds": seconds[name],
+        }
+    report["reference_seconds"] = seconds[REFERENCE]
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("export_dir", type=Path)
+    parser.add_argument("--tsv", type=Path, default=DEFAULT_DEV, help="TSV with an `en` column")
+    parser.add_argument("--sentences", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    report = run(args.export_dir, read_english(args.tsv, args.sentences), args.max_new_tokens, args.batch_size, args.threads)
+    for name, r in report["backends"].items():
+        print(
+            f"{name}: identical ids {r['identical_ids']}/{report['sentences']}, "
+            f"identical text {r['identical_text']}/{report['sentences']} ({r['seconds']} s; pytorch {report['reference_seconds']} s)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    fp32 = [r for n, r in report["backends"].items() if n != "ort_fp16"]
+    return 0 if all(r["identical_ids"] == report["sentences"] for r in fp32) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The export pipeline: sidecar contents, graph properties, verification numbers and errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from backends.manifest import GRAPH_NAMES, ManifestError, load_manifest, sha256_file
+from export import verify
+from export.__main__ import main as export_main
+from export.source import SourceError, check_local_folder
+
+
+def test_manifest_lists_five_graphs_and_every_file_with_its_checksum(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    assert tuple(manifest.data["graphs"]) == GRAPH_NAMES
+    files = manifest.data["files"]
+    for name in GRAPH_NAMES:
+        assert manifest.graph(name)["file"] in files
+    for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
+        assert name in files
+    for name, entry in files.items():
+        assert sha256_file(tiny_export_dir / name) == entry["sha256"]
+    assert manifest.data["opset"] >= 17
+    versions = manifest.data["versions"]
+    for package in ("torch", "transformers", "onnx", "onnxruntime", "onnxconverter-common"):
+        assert versions[package]
+
+
+def test_manifest_special_ids_and_limits_match_the_model(tiny_export_dir, tiny_model_dir):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    manifest = load_manifest(tiny_export_dir)
+    special = manifest.data["special_tokens"]
+    assert special["pad"] == config["pad_token_id"] == config["vocab_size"] - 1
+    assert special["decoder_start"] == config["decoder_start_token_id"]
+    assert special["eos"] == 0 and special["unk"] == 1
+    assert special["bad_words_ids"] == [[special["pad"]]]
+    assert manifest.max_source_tokens == 512
+    assert manifest.max_new_tokens == 511
+    model = manifest.data["model"]
+    assert (model["decoder_layers"], model["decoder_attention_heads"], model["d_model"]) == (2, 4, 32)
+
+
+def test_verification_covers_long_and_padded_inputs_within_tolerance(tiny_export_dir):
+    result = load_manifest(tiny_export_dir).data["verification"]
+    assert result["fp32_passed"] and result["failures"] == []
+    cases = result["logits"]
+    assert max(max(c["source_lengths"]) for c in cases) >= 400
+    assert any(c["batch"] > 1 and len(set(c["source_lengths"])) > 1 for c in cases)
+    assert len({max(c["source_lengths"]) for c in cases}) >= 3
+    for case in cases:
+        assert case["max_abs_logit_diff"]["full"] <= 1e-4
+        assert case["max_abs_logit_diff"]["kv_cache"] <= 1e-4
+        assert case["max_abs_encoder_hidden_diff"]["kv_cache"] <= 1e-4
+        # fp16 is reported, and for a working conversion it is close but not exact.
+        assert 0 < case["max_abs_logit_diff"]["kv_cache_fp16"] < 0.1
+    greedy = result["greedy"]
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
+        assert greedy["backends"][name]["identical_ids"] == greedy["sentences"]
+    assert 0 <= greedy["backends"]["ort_fp16"]["token_agreement"] <= 1
+
+
+def test_graphs_have_no_dropout_and_dynamic_axes(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    for name in GRAPH_NAMES:
+        graph = onnx.load(str(manifest.graph_path(name)))
+        assert "Dropout" not in {n.op_type for n in graph.graph.node}
+    session = ort.InferenceSession(str(manifest.graph_path("decoder")), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert isinstance(shapes["past.0.key"][0], str) and isinstance(shapes["past.0.key"][2], str)
+    assert isinstance(shapes["encoder_attention_mask"][1], str)
+    full = ort.InferenceSession(str(manifest.graph_path("full")), providers=["CPUExecutionProvider"])
+    assert all(isinstance(d, str) for d in full.get_inputs()[2].shape)  # batch, tgt_len
+
+
+def test_fp16_graphs_compute_in_fp16_with_fp32_io(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    graph = onnx.load(str(manifest.graph_path("decoder_fp16")))
+    initializer_types = {t.data_type for t in graph.graph.initializer if len(t.dims) == 2}
+    assert onnx.TensorProto.FLOAT16 in initializer_types
+    assert {i.type.tensor_type.elem_type for i in graph.graph.output} == {onnx.TensorProto.FLOAT}
+
+
+def test_existing_output_needs_force(tiny_model_dir, tiny_export_dir, capsys):
+    code = export_main([str(tiny_model_dir), "--out", str(tiny_export_dir), "--no-verify"])
+    assert code == 2
+    assert "--force" in capsys.readouterr().err
+
+
+def test_unsupported_architecture_names_the_supported_one(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    with pytest.raises(SourceError, match="supported: MarianMTModel"):
+        check_local_folder(tmp_path)
+
+
+def test_missing_files_are_named(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "target.spm").unlink()
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(SourceError, match=r"model.safetensors or pytorch_model.bin, target.spm"):
+        check_local_folder(broken)
+    code = export_main([str(broken), "--out", str(tmp_path / "out")])
+    assert code == 2 and not (tmp_path / "out").exists()
+
+
+def test_folder_without_manifest_is_not_an_export(tiny_export_dir, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_export_dir, partial)
+    (partial / "manifest.json").unlink()
+    with pytest.raises(ManifestError, match="not a finished export"):
+        load_manifest(partial)
+
+
+def test_failed_fp32_verification_is_refused(tiny_export_dir, tmp_path):
+    rejected = tmp_path / "rejected"
+    shutil.copytree(tiny_export_dir, rejected)
+    path = rejected / "manifest.json"
+    data = json.loads(path.read_text())
+    data["verification"]["fp32_passed"] = False
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="failed its fp32 verification"):
+        load_manifest(rejected)
+
+
+def test_judge_reports_every_fp32_failure_with_numbers():
+    logits = {
+        "cases": [
+            {"case": "source 450 tokens", "max_abs_logit_diff": {"full": 3e-4, "kv_cache": 5e-5, "kv_cache_fp16": 0.5}},
+            {"case": "padded batch", "max_abs_logit_diff": {"full": 1e-6, "kv_cache": 2e-3, "kv_cache_fp16": 0.5}},
+        ]
+    }
+    greedy = {
+        "sentences": 4,
+        "backends": {
+            "ort_fp32_single_step": {"identical_ids": 4, "first_mismatch": None},
+            "ort_fp32_kv_cache": {"identical_ids": 3, "first_mismatch": {"sentence": "x"}},
+            "ort_fp16": {"identical_ids": 1, "first_mismatch": {"sentence": "y"}},
+        },
+    }
+    failures = verify.judge(logits, greedy)
+    assert len(failures) == 3
+    assert "full, source 450 tokens: max |Δlogit| 0.0003" in failures[0]
+    assert "kv_cache, padded batch: max |Δlogit| 0.002" in failures[1]
+    assert failures[2].startswith("ort_fp32_kv_cache: greedy ids identical on 3/4")
+    assert verify.judge({"cases": [{"case": "c", "max_abs_logit_diff": {"full": np.float32(1e-5)}}]}, None) == []
