@@ -1,7 +1,7 @@
-"""Four ways to run one Marian model behind one decoding contract.
+"""Five ways to run one Marian model behind one decoding contract.
 
 `load_backends(export_dir)` returns them by name, in this order: pytorch (the reference),
-ort_fp32_single_step, ort_fp32_kv_cache, ort_fp16. Heavy imports happen inside the loaders, so
+ort_fp32_single_step, ort_fp32_kv_cache, ort_fp16, ort_int8. Heavy imports happen inside the loaders, so
 importing this package (or an ORT backend) never imports torch.
 """
 
@@ -17,7 +17,9 @@ from .tokenizer import InputError, MarianTokenizerWrapper
 
 logger = logging.getLogger("backends")
 
-BACKEND_NAMES = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16")
+BACKEND_NAMES = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16", "ort_int8")
+# Backends whose outputs may differ from the reference by design (reduced precision).
+APPROXIMATE = ("ort_fp16", "ort_int8")
 REFERENCE = "pytorch"
 
 
@@ -40,6 +42,10 @@ def _build(name: str, manifest: Manifest, tokenizer: MarianTokenizerWrapper, ses
         from .ort_kv_cache import KVCacheStepModel
 
         model = KVCacheStepModel(manifest, session, "encoder_fp16", "decoder_fp16")
+    elif name == "ort_int8":
+        from .ort_kv_cache import KVCacheStepModel
+
+        model = KVCacheStepModel(manifest, session, "encoder_int8", "decoder_int8")
     else:
         raise ValueError(f"unknown backend {name!r}; expected one of: {', '.join(BACKEND_NAMES)}")
     return Backend(name, model, tokenizer, manifest, model.info)
@@ -83,6 +89,7 @@ def try_load_backends(
 
 
 __all__ = [
+    "APPROXIMATE",
     "BACKEND_NAMES",
     "REFERENCE",
     "Backend",

@@ -33,10 +33,18 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def _top_k(logprobs: np.ndarray, k: int) -> np.ndarray:
-    # logprobs (b, V) -> ids (b, k), best first; ties broken by the lower id, like argmax
-    part = np.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-    vals = np.take_along_axis(logprobs, part, axis=-1)
+def log_normalizer(logits: np.ndarray) -> np.ndarray:
+    # logits (b, V) float32 -> log-sum-exp (b, 1) float64: the few log-probs the loop reports are
+    # logit - lse, so a full float64 log-softmax over the vocabulary is never materialised.
+    m = logits.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # rows of all -inf (never produced: eos stays finite)
+        return m.astype(np.float64) + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True, dtype=np.float64))
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    # scores (b, V) -> ids (b, k), best first; ties broken by the lower id, like argmax
+    part = np.argpartition(scores, -k, axis=-1)[:, -k:]
+    vals = np.take_along_axis(scores, part, axis=-1)
     order = np.lexsort((part, -vals), axis=-1)
     return np.take_along_axis(part, order, axis=-1)
 
@@ -72,9 +80,9 @@ def greedy_decode(
     non_finite: list[list[int]] = [[] for _ in range(batch)]
     first_token = None
     for step in range(max_new):
-        logits = np.asarray(model.step(state, decoder_ids), dtype=np.float32)  # (b, V)
+        # A fresh (b, V) array each step (a view of the engine's output): masked in place.
+        logits = np.asarray(model.step(state, decoder_ids), dtype=np.float32)
         bad_rows = ~np.isfinite(logits).all(axis=-1)
-        logits = logits.copy()
         logits[:, bad] = -np.inf
         if step < min_new:
             logits[:, special.eos] = -np.inf
@@ -84,17 +92,18 @@ def greedy_decode(
             non_finite[row].append(step)
             logits[row] = -np.inf
             logits[row, special.eos] = 0.0
-        logprobs = log_softmax(logits)
-        top = _top_k(logprobs, k)  # (b, k)
+        lse = log_normalizer(logits)  # (b, 1)
+        top = _top_k(logits, k)  # (b, k), best first
+        top_logprobs = np.take_along_axis(logits, top, axis=-1) - lse  # (b, k) float64
         next_ids = top[:, 0].copy()
         next_ids[finished] = special.pad
         for row in np.flatnonzero(~finished):
             steps[row].append(
                 StepScore(
                     token_id=int(next_ids[row]),
-                    logprob=float(logprobs[row, next_ids[row]]),
-                    top_ids=[int(t) for t in top[row]],
-                    top_logprobs=[float(logprobs[row, t]) for t in top[row]],
+                    logprob=float(top_logprobs[row, 0]),
+                    top_ids=top[row].tolist(),
+                    top_logprobs=top_logprobs[row].tolist(),
                 )
             )
         decoder_ids = np.concatenate([decoder_ids, next_ids[:, None]], axis=1)

@@ -15,7 +15,7 @@ from typing import Any
 MANIFEST_NAME = "manifest.json"
 FORMAT = "marian-onnx-export"
 FORMAT_VERSION = 1
-GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16")
+GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
 
 

@@ -3,7 +3,11 @@
 The encoder graph also returns every decoder layer's cross-attention keys/values, so they are
 computed once per sentence. The decoder takes the newest token and the self-attention cache, and
 returns the cache grown by one position. The first step feeds an empty past (length 0).
-Serves both `ort_fp32_kv_cache` and `ort_fp16` (graphs `decoder_fp16` etc.).
+Serves `ort_fp32_kv_cache`, `ort_fp16` and `ort_int8` (graphs `decoder_fp16`, `decoder_int8`, ...).
+
+Caches stay ORT-owned `OrtValue`s from the step that produced them to the step that reads them
+(`run_with_ort_values`): `session.run` would copy every cache tensor into a new numpy array at
+each step and back. Only the logits are viewed as numpy, without a copy.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnxruntime as ort
 
 from .ort_session import SessionConfig, create_session, session_info
 
@@ -19,9 +24,14 @@ _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor
 
 @dataclass
 class _State:
-    attention_mask: np.ndarray  # (b, s)
-    cross: list[np.ndarray]  # per layer key, value: (b, h, s, d)
-    past: list[np.ndarray]  # per layer key, value: (b, h, p, d)
+    attention_mask: ort.OrtValue  # (b, s) int64
+    cross: list[ort.OrtValue]  # per layer key, value: (b, h, s, d)
+    past: list[ort.OrtValue]  # per layer key, value: (b, h, p, d)
+
+
+def _value(array: np.ndarray) -> ort.OrtValue:
+    # Wraps the numpy buffer (no copy); the array must stay alive as long as the OrtValue is used.
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
 
 
 class KVCacheStepModel:
@@ -38,20 +48,21 @@ class KVCacheStepModel:
         self.present_names = [o.name for o in self.decoder.get_outputs() if o.name.startswith("present.")]
         past_type = {i.name: i.type for i in self.decoder.get_inputs()}[self.past_names[0]]
         self.cache_dtype = _NP_TYPES[past_type]
+        self.outputs = ["logits", *self.present_names]
         precision = manifest.graph(decoder)["precision"]
         self.info = session_info(self.decoder, dec_path, config, precision)
         self.info["graph"] = f"{enc_path.name} + {dec_path.name}"
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
-        outputs = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
-        batch = input_ids.shape[0]
-        empty = np.zeros((batch, self.heads, 0, self.head_dim), dtype=self.cache_dtype)  # (b, h, 0, d)
-        return _State(attention_mask, list(outputs), [empty] * (2 * self.layers))
+        mask = _value(attention_mask)
+        cross = self.encoder.run_with_ort_values(self.cross_names, {"input_ids": _value(input_ids), "attention_mask": mask})
+        empty = np.zeros((input_ids.shape[0], self.heads, 0, self.head_dim), dtype=self.cache_dtype)  # (b, h, 0, d)
+        return _State(mask, list(cross), [_value(empty)] * (2 * self.layers))
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
-        feeds = {"input_ids": decoder_ids[:, -1:], "encoder_attention_mask": state.attention_mask}  # (b, 1)
+        feeds = {"input_ids": _value(decoder_ids[:, -1:]), "encoder_attention_mask": state.attention_mask}  # (b, 1)
         feeds.update(zip(self.cross_names, state.cross))
         feeds.update(zip(self.past_names, state.past))
-        logits, *present = self.decoder.run(["logits", *self.present_names], feeds)
-        state.past = present  # (b, h, p + 1, d) each
-        return logits[:, -1, :].astype(np.float32, copy=False)  # (b, V)
+        logits, *present = self.decoder.run_with_ort_values(self.outputs, feeds)
+        state.past = present  # (b, h, p + 1, d) each, handed to the next step as they are
+        return logits.numpy()[:, -1, :]  # (b, V) float32, a view of ORT's buffer

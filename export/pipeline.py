@@ -19,7 +19,7 @@ import onnx
 
 from backends.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_FILES, sha256_file
 
-from . import fp16, graphs, verify
+from . import fp16, graphs, quantize, verify
 from .source import load_source
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
@@ -123,7 +123,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     out = Path(options.out)
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
-    steps = _Steps(7 if options.verify else 6, log)
+    steps = _Steps(8 if options.verify else 7, log)
     model, tokenizer, source = steps.run(f"load {src}", load_source, src)
     config = model.config
     steps.run("probe: trace each graph on a tiny input", graphs.probe, model, config, options.opset)
@@ -147,12 +147,21 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             return report
 
         fp16_report = steps.run("convert KV-cache pair to fp16", to_fp16)
+
+        def to_int8():
+            for name in ("encoder", "decoder"):
+                report = quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")
+            return report
+
+        int8_report = steps.run("quantize KV-cache pair to int8 (dynamic)", to_int8)
         graph_entries = {
             "full": _graph_entry(specs["full"], "fp32"),
             "encoder": _graph_entry(specs["encoder"], "fp32"),
             "decoder": _graph_entry(specs["decoder"], "fp32"),
             "encoder_fp16": _graph_entry(specs["encoder"], "fp16", "encoder_fp16.onnx"),
             "decoder_fp16": _graph_entry(specs["decoder"], "fp16", "decoder_fp16.onnx"),
+            "encoder_int8": _graph_entry(specs["encoder"], "int8", "encoder_int8.onnx"),
+            "decoder_int8": _graph_entry(specs["decoder"], "int8", "decoder_int8.onnx"),
         }
         for entry in graph_entries.values():
             _no_dropout(tmp / entry["file"])
@@ -190,6 +199,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 "feeds the shared loop the same dtype; fp16 arithmetic stays inside the graphs",
                 "encoder": fp16_report["encoder"],
             },
+            "int8": int8_report,
             "versions": versions(),
             "verification": None,
             "export_seconds": None,

@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends import APPROXIMATE
+
 FP32_LOGITS_TOLERANCE = 1e-4
+APPROXIMATE_SUFFIXES = ("_fp16", "_int8")  # reported, not required to match
 FALLBACK_SENTENCES = [
     "Click OK to save the document.",
     "My father works in a factory.",
@@ -147,7 +150,7 @@ def logits_parity(model, tokenizer, export_dir: Path, manifest_graphs: dict, sen
             {"input_ids": case.input_ids, "attention_mask": case.attention_mask, "decoder_input_ids": case.decoder_ids},
         )
         candidates = {"full": (full, None)}
-        for suffix in ("", "_fp16"):
+        for suffix in ("", *APPROXIMATE_SUFFIXES):
             logits, hidden = _kv_logits(sessions["encoder" + suffix], sessions["decoder" + suffix], case)
             candidates["kv_cache" + suffix] = (logits, hidden)
         for name, (logits, hidden) in candidates.items():
@@ -197,11 +200,11 @@ def judge(logits: dict, greedy: dict | None) -> list[str]:
     failures = []
     for case in logits["cases"]:
         for name, diff in case["max_abs_logit_diff"].items():
-            if not name.endswith("_fp16") and not diff <= FP32_LOGITS_TOLERANCE:
+            if not name.endswith(APPROXIMATE_SUFFIXES) and not diff <= FP32_LOGITS_TOLERANCE:
                 failures.append(f"{name}, {case['case']}: max |Δlogit| {diff:.3g} > {FP32_LOGITS_TOLERANCE:g}")
     if greedy is not None:
         for name, r in greedy["backends"].items():
-            if name != "ort_fp16" and r["identical_ids"] != greedy["sentences"]:
+            if name not in APPROXIMATE and r["identical_ids"] != greedy["sentences"]:
                 failures.append(
                     f"{name}: greedy ids identical on {r['identical_ids']}/{greedy['sentences']} sentences; "
                     f"first mismatch {r['first_mismatch']}"
@@ -215,19 +218,23 @@ def run(model, tokenizer, export_dir: Path, graphs: dict, sentences, greedy_sent
     logits_s = time.perf_counter() - start
     greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads)
     failures = judge(logits, greedy)
-    fp16 = {
-        "max_abs_logit_diff": max(c["max_abs_logit_diff"]["kv_cache_fp16"] for c in logits["cases"]),
-        "argmax_agreement_min": min(c["argmax_agreement"]["kv_cache_fp16"] for c in logits["cases"]),
-        "greedy": greedy["backends"]["ort_fp16"],
+    approximate = {
+        backend: {
+            "max_abs_logit_diff": max(c["max_abs_logit_diff"]["kv_cache" + suffix] for c in logits["cases"]),
+            "argmax_agreement_min": min(c["argmax_agreement"]["kv_cache" + suffix] for c in logits["cases"]),
+            "greedy": greedy["backends"][backend],
+        }
+        for backend, suffix in zip(APPROXIMATE, APPROXIMATE_SUFFIXES)
     }
     return {
         "fp32_tolerance": FP32_LOGITS_TOLERANCE,
         "fp32_passed": not failures,
         "failures": failures,
         "fp32_max_abs_logit_diff": max(
-            d for c in logits["cases"] for n, d in c["max_abs_logit_diff"].items() if not n.endswith("_fp16")
+            d for c in logits["cases"] for n, d in c["max_abs_logit_diff"].items() if not n.endswith(APPROXIMATE_SUFFIXES)
         ),
-        "fp16": fp16,
+        "fp16": approximate["ort_fp16"],
+        "int8": approximate["ort_int8"],
         "logits": logits["cases"],
         "greedy": greedy,
         "seconds": {"logits": round(logits_s, 1), "total": round(time.perf_counter() - start, 1)},

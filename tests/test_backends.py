@@ -17,10 +17,16 @@ FP32 = ("ort_fp32_single_step", "ort_fp32_kv_cache")
 
 
 def test_backends_load_in_contract_order(tiny_backends):
-    assert tuple(tiny_backends) == BACKEND_NAMES == ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16")
+    assert tuple(tiny_backends) == BACKEND_NAMES == (
+        "pytorch",
+        "ort_fp32_single_step",
+        "ort_fp32_kv_cache",
+        "ort_fp16",
+        "ort_int8",
+    )
     for backend in tiny_backends.values():
         assert backend.info["threads"] == 2
-        assert backend.info["precision"] in ("fp32", "fp16")
+        assert backend.info["precision"] in ("fp32", "fp16", "int8")
 
 
 @pytest.mark.parametrize("name", FP32)

@@ -57,12 +57,14 @@ def test_verification_covers_long_and_padded_inputs_within_tolerance(tiny_export
         assert case["max_abs_logit_diff"]["full"] <= 1e-4
         assert case["max_abs_logit_diff"]["kv_cache"] <= 1e-4
         assert case["max_abs_encoder_hidden_diff"]["kv_cache"] <= 1e-4
-        # fp16 is reported, and for a working conversion it is close but not exact.
+        # fp16 and int8 are reported; a working conversion is close but not exact.
         assert 0 < case["max_abs_logit_diff"]["kv_cache_fp16"] < 0.1
+        assert 0 < case["max_abs_logit_diff"]["kv_cache_int8"] < 1.0
     greedy = result["greedy"]
     for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
         assert greedy["backends"][name]["identical_ids"] == greedy["sentences"]
     assert 0 <= greedy["backends"]["ort_fp16"]["token_agreement"] <= 1
+    assert result["int8"]["greedy"] == greedy["backends"]["ort_int8"]
 
 
 def test_graphs_have_no_dropout_and_dynamic_axes(tiny_export_dir):
@@ -84,6 +86,16 @@ def test_fp16_graphs_compute_in_fp16_with_fp32_io(tiny_export_dir):
     initializer_types = {t.data_type for t in graph.graph.initializer if len(t.dims) == 2}
     assert onnx.TensorProto.FLOAT16 in initializer_types
     assert {i.type.tensor_type.elem_type for i in graph.graph.output} == {onnx.TensorProto.FLOAT}
+
+
+def test_int8_graphs_hold_quantized_matmuls(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    fp32_bytes = manifest.data["files"]["decoder.onnx"]["bytes"]
+    graph = onnx.load(str(manifest.graph_path("decoder_int8")))
+    ops = {n.op_type for n in graph.graph.node}
+    assert ops & {"MatMulInteger", "DynamicQuantizeMatMul"}
+    assert {t.data_type for t in graph.graph.initializer} & {onnx.TensorProto.INT8}
+    assert manifest.data["files"]["decoder_int8.onnx"]["bytes"] < fp32_bytes
 
 
 def test_existing_output_needs_force(tiny_model_dir, tiny_export_dir, capsys):
