@@ -1,0 +1,147 @@
+"""python -m bench {speed,quality}: the benchmarks, one command each, results as files.
+
+  python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--peers] [--quick] [--out DIR]
+  python -m bench quality [--model DIR] [--tsv FILE] [--sentences N] [--threads 2] [--out DIR]
+  python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
+
+Each writes results.json and report.md (speed: also PNG plots) into --out, by default
+bench-results/<command>-<model>-<UTC time>/. See bench/README.md for what is measured and left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+from . import peers as peers_mod
+from .data import DEFAULT_TSV, RESULTS, read_tsv, resolve_model, sentences_arg
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in _csv(value))
+
+
+def _default_out(command: str, export_dir: Path) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return RESULTS / f"{command}-{export_dir.name}-{stamp}"
+
+
+def speed(args) -> int:
+    from . import speed as speed_mod
+
+    pairs = sentences_arg(args.sentences)
+    export_dir = resolve_model(args.model, threads=args.threads)
+    fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
+                  warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers)
+    if args.quick:
+        fields.update(speed_mod.QUICK)
+    for name in ("latency_sentences", "throughput_sentences", "sweep_sentences"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.batch_sizes:
+        fields["batch_sizes"] = args.batch_sizes
+    if args.sweep is not None:
+        fields["sweep_lengths"] = args.sweep
+    options = speed_mod.SpeedOptions(**fields)
+    peers = []
+    if args.peers:
+        peers = args.peer_list or list(peers_mod.PEER_NAMES)
+    out = args.out or _default_out("speed", export_dir)
+    print(f"benchmarking {export_dir} on {len(pairs)} sentences -> {out}", flush=True)
+    results = speed_mod.run(export_dir, pairs, options, out, backend_names=args.backends, peer_names=peers,
+                            peer_python=args.peer_python, log=lambda m: print(m, flush=True))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {out / p}" for p in results.get("plots", [])))
+    return 1 if results["failed"] else 0
+
+
+def quality(args) -> int:
+    from . import quality as quality_mod
+    from . import report
+
+    pairs = read_tsv(args.tsv)
+    if args.sentences:
+        pairs = pairs[: args.sentences]
+    export_dir = resolve_model(args.model, threads=args.threads)
+    out = args.out or _default_out("quality", export_dir)
+    results = quality_mod.run(export_dir, pairs, names=args.backends, threads=args.threads,
+                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                              log=lambda m: print(m, flush=True))
+    results["tsv"] = str(args.tsv)
+    report.write(results, out)
+    for name, b in results["backends"].items():
+        a, q = b["agreement"], b["vs_references"] or {}
+        print(f"{name}: identical tokens {a['identical']}/{a['n']}, BLEU {q.get('bleu', '–')}, chrF {q.get('chrf', '–')}"
+              f", {b['seconds']:.1f} s")
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}")
+    return 0
+
+
+def table(args) -> int:
+    import json
+
+    from .report import readme_table
+
+    path = args.results / "results.json" if args.results.is_dir() else args.results
+    print(readme_table(json.loads(path.read_text(encoding="utf-8"))))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("speed", help="load time, latency, throughput, memory, size, length sweep")
+    sp.add_argument("--model", help="Marian model folder or export folder (default: the embedded model)")
+    sp.add_argument("--sentences", help="a count drawn from dev.tsv (default 200, 10-40 words, seed 0), or a "
+                    ".tsv with an `en` column, or a text file with one sentence per line")
+    sp.add_argument("--forced-tokens", type=int, help="every runtime generates exactly N tokens (random-weight models)")
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--backends", type=_csv, help="comma-separated subset of our backends (default: all)")
+    sp.add_argument("--peers", action="store_true", help="also time the peer runtimes (needs `make bench-venv`)")
+    sp.add_argument("--peer-list", type=_csv, help=f"subset of peers (default: {','.join(peers_mod.PEER_NAMES)})")
+    sp.add_argument("--peer-python", type=Path, default=peers_mod.DEFAULT_PEER_PYTHON)
+    sp.add_argument("--quick", action="store_true", help="batch-1 latency over 40 sentences, throughput over 64, "
+                    "sweep over 3: the opus-sized run with peers in about 15 minutes")
+    sp.add_argument("--latency-sentences", type=int)
+    sp.add_argument("--throughput-sentences", type=int)
+    sp.add_argument("--sweep-sentences", type=int)
+    sp.add_argument("--batch-sizes", type=_ints, help="default 8,32")
+    sp.add_argument("--sweep", type=lambda v: _ints(v) if v else (), help="forced lengths (default 8,16,32,64,128; '' = none)")
+    sp.add_argument("--sweep-peers", action="store_true", help="run the length sweep for the peers too")
+    sp.add_argument("--max-new-tokens", type=int, default=256, help="cap when lengths are not forced")
+    sp.add_argument("--warmup", type=int, default=3)
+    sp.add_argument("--timeout", type=int, default=3600, help="seconds per runtime")
+    sp.add_argument("--out", type=Path)
+    sp.set_defaults(func=speed)
+
+    qp = sub.add_parser("quality", help="token agreement with PyTorch, BLEU and chrF per backend")
+    qp.add_argument("--model", help="Marian model folder or export folder (default: the embedded model)")
+    qp.add_argument("--tsv", type=Path, default=DEFAULT_TSV, help="TSV with `en` and `zh` columns")
+    qp.add_argument("--sentences", type=int, help="only the first N rows")
+    qp.add_argument("--backends", type=_csv)
+    qp.add_argument("--threads", type=int, default=2)
+    qp.add_argument("--batch-size", type=int, default=16)
+    qp.add_argument("--max-new-tokens", type=int, default=256)
+    qp.add_argument("--out", type=Path)
+    qp.set_defaults(func=quality)
+
+    tp = sub.add_parser("table", help="print a speed run's compact table (for the README)")
+    tp.add_argument("results", type=Path, help="a speed run's folder or its results.json")
+    tp.set_defaults(func=table)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""The runtimes a user would pick instead of ours, timed by the same protocol in the same run.
+
+- `transformers`: `MarianMTModel.generate` (PyTorch eager, greedy), in the project's own environment.
+- `optimum_fp32`: Hugging Face Optimum's `ORTModelForSeq2SeqLM` over its own export
+  (`optimum-cli export onnx --task text2text-generation-with-past`, merged decoder with past).
+- `optimum_int8`: the same, its encoder and merged decoder quantized by Optimum's `ORTQuantizer`
+  (dynamic int8, `AutoQuantizationConfig.avx512_vnni` or `.avx2` after the CPU's flags).
+- `ct2_float32`, `ct2_int8`: CTranslate2 `Translator` over `ct2-transformers-converter` output
+  (`--quantization float32` / `int8`), greedy (`beam_size=1`).
+
+Optimum needs transformers<4.58, the project needs 5.x, so Optimum and CTranslate2 live in their own
+environment, `.venv-bench` (`make bench-venv`, from requirements-bench.txt). The parent process
+(`python -m bench speed --peers`) converts the model once per source weights into
+`exports/peers/<export name>/` with that environment's tools, then runs each peer in its own
+subprocess of that environment: `python -m bench.peers worker ...`, which imports only this module
+and `bench.protocol`, and writes its results as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .protocol import Output, Spec, measure, peak_rss_mb, rss_mb
+
+PEER_NAMES = ("transformers", "optimum_fp32", "optimum_int8", "ct2_float32", "ct2_int8")
+IN_PROJECT_ENV = ("transformers",)  # these run in the project's environment, the rest in .venv-bench
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+PEER_CACHE = REPO / "exports" / "peers"
+
+
+# --- parent side: conversions ------------------------------------------------------------------
+
+
+def _dir_bytes(path: Path, pattern: str = "*") -> int:
+    return sum(f.stat().st_size for f in Path(path).glob(pattern) if f.is_file())
+
+
+def _converted(out: Path, stamp: dict) -> bool:
+    f = out / "bench-stamp.json"
+    return f.is_file() and json.loads(f.read_text()) == stamp
+
+
+def _convert(cmd: list[str], out: Path, stamp: dict, log) -> float:
+    """Run one converter into a temporary sibling, rename into place; returns seconds."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converting: {' '.join(map(str, cmd))}")
+    start = time.perf_counter()
+    proc = subprocess.run([*map(str, cmd[:-1]), str(tmp)], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    seconds = time.perf_counter() - start
+    (tmp / "bench-stamp.json").write_text(json.dumps(stamp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return seconds
+
+
+def prepare(source: Path, root: Path, peers: list[str], peer_python: Path, log=print) -> dict[str, dict]:
+    """Convert `source` (a MarianMT folder) for each peer once, under `root`.
+
+    Returns {peer: {"dir", "convert_s" or "reused"}} or {peer: {"error"}} when its conversion failed.
+
+    A conversion is reused while its stamp (source folder and weights size/mtime) matches.
+    """
+    weights = next((source / n for n in ("model.safetensors", "pytorch_model.bin") if (source / n).is_file()), None)
+    if weights is None:
+        raise FileNotFoundError(f"{source}: no model.safetensors or pytorch_model.bin for the peers to convert")
+    st = weights.stat()
+    stamp = {"source": str(source.resolve()), "weights_bytes": st.st_size, "weights_mtime": st.st_mtime}
+    bindir = Path(peer_python).parent
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    prepared = {}
+    for peer in peers:
+        if peer == "transformers":
+            prepared[peer] = {"dir": str(source), "reused": True}
+            continue
+        if peer == "optimum_fp32":
+            out = root / "optimum"
+            cmd = [bindir / "optimum-cli", "export", "onnx", "--model", source,
+                   "--task", "text2text-generation-with-past", out]
+        elif peer == "optimum_int8":  # quantizes the fp32 export, made first if needed
+            fp32 = prepared.get("optimum_fp32") or prepare(source, root, ["optimum_fp32"], peer_python, log)["optimum_fp32"]
+            if "error" in fp32:
+                prepared[peer] = {"error": f"needs the fp32 Optimum export, which failed: {fp32['error']}"}
+                continue
+            out = root / "optimum-int8"
+            cmd = [peer_python, "-m", "bench.peers", "quantize", "--src", fp32["dir"], "--out", out]
+        elif peer in ("ct2_float32", "ct2_int8"):
+            quant = peer.split("_")[1]
+            out = root / f"ct2-{quant}"
+            cmd = [bindir / "ct2-transformers-converter", "--model", source, "--quantization", quant, "--output_dir", out]
+        else:
+            raise ValueError(f"unknown peer {peer!r}; expected one of: {', '.join(PEER_NAMES)}")
+        if _converted(out, stamp):
+            prepared[peer] = {"dir": str(out), "reused": True}
+            continue
+        try:
+            prepared[peer] = {"dir": str(out), "convert_s": round(_convert(cmd, out, stamp, log), 1)}
+        except (OSError, RuntimeError) as e:  # reported per peer; the other peers still run
+            prepared[peer] = {"error": f"conversion failed: {e}"}
+    return prepared
+
+
+# --- peer side: the runtimes --------------------------------------------------------------------
+
+
+def _threads_env(threads: int) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+
+
+def tokenization_mismatches(tokenizer, spec: Spec) -> list[int]:
+    """Indices of sentences this environment's tokenizer encodes differently from the project's."""
+    if spec.source_ids is None:
+        return []
+    return [i for i, (s, ids) in enumerate(zip(spec.sentences, spec.source_ids)) if tokenizer(s).input_ids != ids]
+
+
+class _HFGenerate:
+    """Shared by transformers and Optimum: MarianTokenizer + `generate`, greedy."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def translate(self, texts, max_new_tokens, min_new_tokens):
+        import torch
+
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            out = self.model.generate(
+                **batch, num_beams=1, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                # The config's forced_eos_token_id would replace the last token with eos when the cap is
+                # reached; no other runtime here does that, so it is off to keep outputs comparable.
+                forced_eos_token_id=None,
+            )
+        pad, eos = self.model.config.pad_token_id, self.model.config.eos_token_id
+        results = []
+        for row in out[:, 1:].tolist():  # drop the decoder start token
+            ids = []
+            for t in row:
+                if t == pad:
+                    break
+                ids.append(t)
+                if t == eos:
+                    break
+            results.append(Output(ids, self.tokenizer.decode(ids, skip_special_tokens=True)))
+        return results
+
+
+class _CT2:
+    def __init__(self, model_dir: str, tokenizer, threads: int, compute_type: str):
+        import ctranslate2
+
+        self.translator = ctranslate2.Translator(
+            model_dir, device="cpu", compute_type=compute_type, intra_threads=threads, inter_threads=1
+        )
+        self.tokenizer = tokenizer
+
+    def translate(self, texts, max_new_tokens, min_new_tokens):
+        source = [self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(texts).input_ids]
+        results = self.translator.translate_batch(
+            source, beam_size=1, max_decoding_length=max_new_tokens, min_decoding_length=min_new_tokens,
+            return_end_token=True,
+        )
+        outs = []
+        for r in results:
+            ids = self.tokenizer.convert_tokens_to_ids(r.hypotheses[0])
+            outs.append(Output(ids, self.tokenizer.decode(ids, skip_special_tokens=True)))
+        return outs
+
+
+def _versions(*packages: str) -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for p in packages:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def load_peer(peer: str, model_dir: str, source: str, threads: int) -> tuple[object, dict]:
+    """(runtime, info); imports of the runtime library happen before this is timed."""
+    from transformers import MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(source)
+    if peer == "transformers":
+        import torch
+        from transformers import MarianMTModel
+
+        torch.set_num_threads(threads)
+        model = MarianMTModel.from_pretrained(model_dir).eval()
+        info = {"runtime": f"transformers {_versions('transformers')['transformers']} generate, PyTorch {torch.__version__} eager",
+                "precision": "fp32", "files": ["model.safetensors"]}
+        size = _dir_bytes(Path(model_dir), "model.safetensors") or _dir_bytes(Path(model_dir), "pytorch_model.bin")
+        return _HFGenerate(model, tokenizer), {**info, "size_bytes": size}
+    if peer in ("optimum_fp32", "optimum_int8"):
+        import onnxruntime as ort
+        import torch
+        from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+        torch.set_num_threads(threads)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        model = ORTModelForSeq2SeqLM.from_pretrained(
+            model_dir, use_merged=True, use_cache=True, session_options=options, provider="CPUExecutionProvider"
+        )
+        # Which graph files were really loaded (Optimum can load decoder_with_past silently).
+        loaded = [Path(p).name for p in (model.encoder.path, model.decoder.path,
+                                         getattr(model.decoder_with_past, "path", None)) if p is not None]
+        v = _versions("optimum-onnx", "optimum", "onnxruntime", "transformers")
+        info = {"runtime": f"Optimum ORT {v.get('optimum-onnx')} (onnxruntime {v.get('onnxruntime')}, transformers {v.get('transformers')})",
+                "precision": "int8 (dynamic)" if peer == "optimum_int8" else "fp32", "files": loaded}
+        size = sum((Path(model_dir) / f).stat().st_size for f in loaded)
+        q = Path(model_dir) / "bench-quantization.json"
+        if q.is_file():
+            info["quantization"] = json.loads(q.read_text())
+        return _HFGenerate(model, tokenizer), {**info, "size_bytes": size}
+    if peer in ("ct2_float32", "ct2_int8"):
+        compute = peer.split("_")[1]
+        runtime = _CT2(model_dir, tokenizer, threads, compute)
+        v = _versions("ctranslate2")
+        info = {"runtime": f"CTranslate2 {v.get('ctranslate2')}", "precision": compute, "files": ["model.bin"],
+                "size_bytes": _dir_bytes(Path(model_dir), "model.bin")}
+        return runtime, info
+    raise ValueError(f"unknown peer {peer!r}; expected one of: {', '.join(PEER_NAMES)}")
+
+
+def _preimport(peer: str) -> None:
+    import transformers  # noqa: F401
+
+    if peer in ("transformers", "optimum_fp32", "optimum_int8"):
+        import torch  # noqa: F401
+    if peer in ("optimum_fp32", "optimum_int8"):
+        import optimum.onnxruntime  # noqa: F401
+    if peer.startswith("ct2"):
+        import ctranslate2  # noqa: F401
+
+
+def worker(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.peers worker")
+    parser.add_argument("--peer", required=True, choices=PEER_NAMES)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--source", required=True, help="the MarianMT folder (its tokenizer)")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    spec = Spec.load(args.spec)
+    _threads_env(spec.threads)
+    start = time.perf_counter()
+    _preimport(args.peer)
+    import_s = time.perf_counter() - start
+    rss_before = rss_mb()
+    start = time.perf_counter()
+    runtime, info = load_peer(args.peer, args.model_dir, args.source, spec.threads)
+    load_s = time.perf_counter() - start
+    result = {"name": args.peer, "kind": "peer", "info": {**info, "threads": spec.threads},
+              "import_s": import_s, "load_s": load_s, "rss_before_load_mb": rss_before,
+              "rss_after_load_mb": rss_mb(), "size_bytes": info["size_bytes"],
+              "versions": _versions("transformers", "torch", "optimum", "optimum-onnx", "onnxruntime", "ctranslate2", "numpy")}
+    result["tokenization_mismatches"] = tokenization_mismatches(runtime.tokenizer, spec)
+    result.update(measure(runtime, spec, lambda msg: print(f"[{args.peer}] {msg}", file=sys.stderr, flush=True)))
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["torch_in_process"] = "torch" in sys.modules
+    Path(args.out).write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")
+    return 0
+
+
+QUANTIZED = ("encoder_model.onnx", "decoder_model_merged.onnx")
+COPIED = ("config.json", "generation_config.json", "source.spm", "target.spm", "vocab.json", "tokenizer_config.json",
+          "special_tokens_map.json")
+
+
+def quantize(argv=None) -> int:
+    """Dynamic int8 quantization of an Optimum export's encoder and merged decoder, standard file names kept."""
+    parser = argparse.ArgumentParser(prog="python -m bench.peers quantize")
+    parser.add_argument("--src", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    from optimum.onnxruntime import ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    flags = Path("/proc/cpuinfo").read_text().split()
+    preset = "avx512_vnni" if "avx512_vnni" in flags else "avx2"
+    config = getattr(AutoQuantizationConfig, preset)(is_static=False, per_channel=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in QUANTIZED:
+        ORTQuantizer.from_pretrained(args.src, file_name=name).quantize(config, args.out, file_suffix=None)
+    for name in COPIED:
+        if (args.src / name).is_file():
+            shutil.copy2(args.src / name, args.out / name)
+    (args.out / "bench-quantization.json").write_text(json.dumps({"preset": preset, "per_channel": False}))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        raise SystemExit(worker(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "quantize":
+        raise SystemExit(quantize(sys.argv[2:]))
+    raise SystemExit("usage: python -m bench.peers worker --peer NAME ... (driven by `python -m bench speed --peers`)")

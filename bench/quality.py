@@ -1,0 +1,144 @@
+"""python -m bench quality: does each ORT backend translate exactly as PyTorch does, and how well?
+
+Per backend, over a TSV of `en` (and `zh` references): the share of sentences whose token ids are
+identical to the reference backend's (PyTorch), where the others first diverge, BLEU
+(sacrebleu, tokenize="zh") and chrF against the references and against PyTorch's output, and
+every differing sentence with both outputs. All backends share one process here; speed is
+`python -m bench speed`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from . import metrics
+from .data import Pair, default_backends, environment
+from .protocol import percentiles
+
+REFERENCE = "pytorch"
+SPOT_CHECK_LIMIT = 200
+
+
+def translate_all(backend, sentences: list[str], batch_size: int, max_new_tokens: int | None) -> tuple[list, float]:
+    """Translations in input order, run in length-sorted batches; (translations, seconds)."""
+    order = sorted(range(len(sentences)), key=lambda i: (backend.tokenizer.count_tokens(sentences[i]), i))
+    out = [None] * len(sentences)
+    start = time.perf_counter()
+    for k in range(0, len(order), batch_size):
+        idx = order[k : k + batch_size]
+        for i, t in zip(idx, backend.translate([sentences[i] for i in idx], max_new_tokens=max_new_tokens, top_k=1)):
+            out[i] = t
+    return out, time.perf_counter() - start
+
+
+def compare(outputs: dict[str, list], sentences: list[str], references: list[str | None], reference: str) -> dict:
+    """Per backend: agreement with `reference`, BLEU/chrF vs references and vs the reference's texts,
+    and the differing sentences. `outputs`: name -> list of Translation (or anything with token_ids, text)."""
+    ref = outputs[reference]
+    ref_texts = [t.text for t in ref]
+    have_refs = bool(references) and all(references)
+    per_backend = {}
+    for name, outs in outputs.items():
+        a = metrics.agreement([t.token_ids for t in outs], [t.token_ids for t in ref])
+        texts = [t.text for t in outs]
+        entry = {
+            "agreement": a,
+            "identical_text": sum(x == y for x, y in zip(texts, ref_texts)),
+            "vs_references": metrics.bleu_chrf(texts, references) if have_refs else None,
+            "vs_reference_backend": metrics.bleu_chrf(texts, ref_texts) if name != reference else None,
+            "differing": [
+                {"index": i, "en": sentences[i], "first_divergence": step, "output": texts[i],
+                 "reference_output": ref_texts[i], "reference": references[i] if have_refs else None}
+                for i, step in enumerate(a["first_divergence_steps"]) if step is not None
+            ],
+        }
+        per_backend[name] = entry
+    if have_refs:  # the number a user needs before shipping an approximate backend
+        base = per_backend[reference]["vs_references"]
+        for entry in per_backend.values():
+            q = entry["vs_references"]
+            q["bleu_delta"] = round(q["bleu"] - base["bleu"], 2)
+            q["chrf_delta"] = round(q["chrf"] - base["chrf"], 2)
+    return per_backend
+
+
+def run(export_dir: Path, pairs: list[Pair], names: list[str] | None = None, threads: int = 2,
+        batch_size: int = 16, max_new_tokens: int = 256, log=print) -> dict:
+    from backends import SessionConfig, load_backends, load_manifest
+
+    skipped = {}
+    if names is None:
+        names, skipped = default_backends(load_manifest(export_dir))
+    if REFERENCE not in names:
+        names = [REFERENCE, *names]
+    backends = load_backends(export_dir, names=tuple(names), session=SessionConfig(threads=threads))
+    sentences, references = [p.en for p in pairs], [p.zh for p in pairs]
+    outputs, seconds = {}, {}
+    for name, backend in backends.items():
+        log(f"{name}: translating {len(sentences)} sentences ...")
+        outputs[name], seconds[name] = translate_all(backend, sentences, batch_size, max_new_tokens)
+        backend.close()
+    per_backend = compare(outputs, sentences, references, REFERENCE)
+    for name, entry in per_backend.items():
+        entry["seconds"] = seconds[name]
+        entry["info"] = backends[name].info
+        entry["hit_max_new_tokens"] = sum(t.stop_reason == "max_new_tokens" for t in outputs[name])
+    env = environment(threads)
+    env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return {
+        "kind": "quality",
+        "model": {"export": str(export_dir), "source": backends[REFERENCE].manifest.data["source_model"]},
+        "environment": env,
+        "sentences": len(sentences),
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "reference": REFERENCE,
+        "backends": per_backend,
+        "not_run": skipped,
+        "outputs": {name: [t.text for t in outs] for name, outs in outputs.items()},
+    }
+
+
+def spot_check(backends: dict, sentences: list[str], references: list[str] | None = None,
+               max_new_tokens: int | None = 256, progress=None) -> dict:
+    """For the app's Batch spot-check tab: each sentence through each loaded backend at batch 1.
+
+    Returns, per backend: agreement with PyTorch (or the first backend when PyTorch is not loaded),
+    BLEU/chrF against `references` when given (one per sentence), batch-1 latency percentiles (wall
+    time of each translate call, no warm-up beyond one call per backend) and the translations.
+    """
+    sentences = [s.strip() for s in sentences]
+    if not sentences or not all(sentences):
+        raise ValueError("give at least one sentence, and no empty lines")
+    if len(sentences) > SPOT_CHECK_LIMIT:
+        raise ValueError(f"at most {SPOT_CHECK_LIMIT} sentences per spot-check, got {len(sentences)}")
+    if references is not None and len(references) != len(sentences):
+        raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
+    if not backends:
+        raise ValueError("no backend loaded")
+    reference = REFERENCE if REFERENCE in backends else next(iter(backends))
+    outputs, latency = {}, {}
+    total = len(backends) * len(sentences)
+    done = 0
+    for name, backend in backends.items():
+        backend.translate([sentences[0]], max_new_tokens=max_new_tokens, top_k=1)  # warm-up
+        outs, times = [], []
+        for s in sentences:
+            start = time.perf_counter()
+            [t] = backend.translate([s], max_new_tokens=max_new_tokens, top_k=1)
+            times.append((time.perf_counter() - start) * 1e3)
+            outs.append(t)
+            done += 1
+            if progress:
+                progress(done / total, f"{name}: {len(outs)}/{len(sentences)}")
+        outputs[name], latency[name] = outs, percentiles(times)
+    per_backend = compare(outputs, sentences, references or [None] * len(sentences), reference)
+    for name, entry in per_backend.items():
+        entry["latency_ms"] = latency[name]
+        entry["translations"] = [t.text for t in outputs[name]]
+        entry["info"] = dict(backends[name].info)
+    return {"kind": "spot_check", "reference": reference, "sentences": sentences, "references": references,
+            "environment": environment(next(iter(backends.values())).info.get("threads") or 1),
+            "backends": per_backend}

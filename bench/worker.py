@@ -1,0 +1,95 @@
+"""python -m bench.worker: one of our backends, alone in this process, through `bench.protocol`.
+
+Driven by `python -m bench speed`: one subprocess per backend, so each one's load time and peak
+resident memory are its own (no other backend's sessions or torch in the same process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .protocol import Output, Spec, measure, peak_rss_mb, rss_mb
+
+
+class BackendRuntime:
+    """Adapts a `backends.Backend` to the protocol. top_k=1: the fewest per-step alternatives kept."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def translate(self, texts, max_new_tokens, min_new_tokens):
+        results = self.backend.translate(texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1)
+        return [Output(t.token_ids, t.text) for t in results]
+
+
+def size_on_disk(backend) -> tuple[int, list[str]]:
+    """Bytes of the weights this backend reads: its graph files (+ external data), or PyTorch's weights."""
+    manifest = backend.manifest
+    if backend.name == "pytorch":
+        from backends.pytorch import source_model_of
+
+        source = Path(source_model_of(manifest))
+        files = [f for f in ("model.safetensors", "pytorch_model.bin") if (source / f).is_file()][:1]
+        return sum((source / f).stat().st_size for f in files), files
+    files = []
+    for name, graph in manifest.data["graphs"].items():
+        if graph["file"] in backend.info.get("graph", "").replace(" ", "").split("+"):
+            files += [graph["file"], *graph.get("external_data", [])]
+    return sum(manifest.data["files"][f]["bytes"] for f in files), files
+
+
+def _preimport(name: str) -> None:
+    import onnxruntime  # noqa: F401
+
+    import backends  # noqa: F401
+
+    if name == "pytorch":
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--export", required=True, type=Path)
+    parser.add_argument("--spec", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args(argv)
+    spec = Spec.load(args.spec)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(spec.threads)
+
+    start = time.perf_counter()
+    _preimport(args.backend)
+    import_s = time.perf_counter() - start
+    from backends import SessionConfig, load_backends
+
+    rss_before = rss_mb()
+    start = time.perf_counter()
+    backend = load_backends(args.export, names=(args.backend,), session=SessionConfig(threads=spec.threads))[args.backend]
+    load_s = time.perf_counter() - start
+    size, files = size_on_disk(backend)
+    result = {
+        "name": args.backend,
+        "kind": "backend",
+        "info": {**backend.info, "files": files},
+        "import_s": import_s,
+        "load_s": load_s,
+        "rss_before_load_mb": rss_before,
+        "rss_after_load_mb": rss_mb(),
+        "size_bytes": size,
+    }
+    result.update(measure(BackendRuntime(backend), spec, lambda m: print(f"[{args.backend}] {m}", file=sys.stderr, flush=True)))
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["torch_in_process"] = "torch" in sys.modules  # the ORT backends must run without it
+    args.out.write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""bench/: short runs of both commands on the tiny export, asserting the numbers they write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import metrics
+from bench.data import WORDS, default_backends, default_sample, read_tsv
+from bench.protocol import percentiles
+from conftest import CORPUS, REPO, dev_sentences
+
+PNG = b"\x89PNG\r\n\x1a\n"
+FP32 = ("ort_fp32_single_step", "ort_fp32_kv_cache")
+PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+
+
+def _ordered(lat: dict) -> None:
+    assert lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert lat["min"] <= lat["mean"] <= lat["max"]
+    assert lat["min"] > 0
+
+
+# --- pure functions: golden values -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "a, b, step",
+    [
+        ([5, 6, 7], [5, 6, 7], None),
+        ([5, 6, 7], [9, 6, 7], 0),
+        ([5, 6, 7], [5, 6, 8], 2),
+        ([5, 6], [5, 6, 7], 2),  # a prefix diverges where the shorter one ends
+        ([], [1], 0),
+    ],
+)
+def test_first_divergence(a, b, step):
+    assert metrics.first_divergence(a, b) == step
+
+
+def test_agreement_counts_and_buckets():
+    ref = [[1, 2, 3]] * 5
+    outs = [[1, 2, 3], [1, 2, 3], [9, 2, 3], [1, 2, 9], [1, 2, 3] + [0] * 30]
+    a = metrics.agreement(outs, ref)
+    assert (a["n"], a["identical"], a["identical_share"]) == (5, 2, 0.4)
+    assert a["first_divergence_steps"] == [None, None, 0, 2, 3]
+    assert a["first_divergence_histogram"] == {0: 1, 2: 1, 3: 1}
+    assert a["first_divergence_buckets"] == {"0": 1, "1-4": 2, "5-9": 0, "10-19": 0, "20+": 0}
+
+
+def test_percentiles_of_known_values():
+    p = percentiles([float(x) for x in range(1, 101)])
+    assert p["n"] == 100
+    assert p["p50"] == pytest.approx(50.5)
+    assert p["p90"] == pytest.approx(90.1)
+    assert p["p99"] == pytest.approx(99.01)
+    assert (p["mean"], p["min"], p["max"]) == (50.5, 1.0, 100.0)
+    with pytest.raises(ValueError):
+        percentiles([])
+
+
+def test_bleu_chrf_identical_and_different():
+    same = metrics.bleu_chrf(["点击确定保存文档。"], ["点击确定保存文档。"])
+    assert same["bleu"] == pytest.approx(100.0) and same["chrf"] == pytest.approx(100.0)
+    other = metrics.bleu_chrf(["今天天气很好。"], ["点击确定保存文档。"])
+    assert other["bleu"] < 10 and other["chrf"] < 20
+
+
+def test_default_sample_is_fixed_and_in_range():
+    a, b = default_sample(200), default_sample(200)
+    assert [p.en for p in a] == [p.en for p in b]
+    assert len(a) == min(200, sum(WORDS[0] <= len(p.en.split()) <= WORDS[1] for p in read_tsv(CORPUS / "dev.tsv")))
+    assert len({p.en for p in a}) == len(a)
+    assert all(WORDS[0] <= len(p.en.split()) <= WORDS[1] and p.zh for p in a)
+    assert [p.en for p in default_sample(20)] != [p.en for p in a[:20]] or len(a) == 20  # drawn, not sliced
+
+
+# --- python -m bench speed / quality on the tiny export -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speed_run(tiny_export_dir, tmp_path_factory):
+    from bench.__main__ import main
+
+    out = tmp_path_factory.mktemp("speed")
+    rc = main(["speed", "--model", str(tiny_export_dir), "--sentences", "5", "--forced-tokens", "4",
+               "--batch-sizes", "2,4", "--sweep", "4,8", "--sweep-sentences", "2", "--warmup", "1", "--out", str(out)])
+    return rc, out, json.loads((out / "results.json").read_text(encoding="utf-8"))
+
+
+def test_speed_writes_real_numbers(speed_run, tiny_export_dir):
+    from backends import load_manifest
+
+    rc, out, results = speed_run
+    assert rc == 0, results["failed"]
+    manifest = load_manifest(tiny_export_dir)
+    expected, _ = default_backends(manifest)
+    assert list(results["runtimes"]) == expected
+    assert results["sentences"]["count"] == 5 and results["options"]["forced_tokens"] == 4
+    for name, r in results["runtimes"].items():
+        lat = r["latency"]
+        assert lat["n"] == 5, name
+        _ordered(lat)
+        assert lat["tokens_mean"] == 4.0  # forced: every sentence generates exactly 4 tokens
+        assert lat["ms_per_token_p50"] == pytest.approx(lat["p50"] / 4, rel=0.5)
+        for b, batches in (("2", 3), ("4", 2)):
+            t = r["throughput"][b]
+            assert (t["sentences"], t["batches"], t["generated_tokens"]) == (5, batches, 20)
+            assert t["sentences_per_s"] == pytest.approx(5 / t["seconds"])
+            assert t["tokens_per_s"] == pytest.approx(4 * t["sentences_per_s"])
+        assert set(r["sweep"]) == {"4", "8"} and all(c["n"] == 2 for c in r["sweep"].values())
+        assert r["sweep"]["8"]["ms_per_token"] == pytest.approx(r["sweep"]["8"]["ms_per_sentence"] / 8)
+        assert r["load_s"] > 0 and r["peak_rss_mb"] >= r["rss_after_load_mb"] > 20
+        if name != "pytorch":
+            assert r["size_bytes"] == sum(manifest.data["files"][f]["bytes"] for f in r["info"]["files"])
+            assert r["torch_in_process"] is False, f"{name} pulled torch into its process"
+        assert r["comparison"]["latency_p50_ratio"] > 0
+    assert results["runtimes"]["pytorch"]["size_bytes"] > 0
+    for name in FP32:
+        assert results["runtimes"][name]["comparison"]["identical_to_reference"] == 1.0
+
+
+def test_speed_writes_report_and_plots(speed_run):
+    _, out, results = speed_run
+    md = (out / "report.md").read_text(encoding="utf-8")
+    for name in results["runtimes"]:
+        assert f"| `{name}` |" in md
+    assert "## What is timed" in md and "single-step / KV cache" in md and results["environment"]["cpu"] in md
+    assert results["plots"] == ["sweep.png", "speed.png"]
+    for p in results["plots"]:
+        assert (out / p).read_bytes().startswith(PNG)
+
+
+def test_readme_table_has_ratios(speed_run, capsys):
+    from bench.__main__ import main
+
+    _, out, results = speed_run
+    assert main(["table", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| `")]
+    assert len(rows) == len(results["runtimes"])
+    assert rows[0].startswith("| `pytorch` (fp32) |") and rows[0].count("1.00×") == 2
+    assert results["environment"]["date_utc"] in lines[-1] and "onnxruntime" in lines[-1]
+
+
+def test_load_latest_finds_the_report(speed_run):
+    from bench.report import load_latest
+
+    _, out, results = speed_run
+    latest = load_latest(out.parent)
+    assert latest is not None and Path(latest["path"]) == out / "results.json"
+    assert latest["results"]["runtimes"].keys() == results["runtimes"].keys()
+    assert latest["markdown"].startswith("# Speed") and len(latest["plots"]) == 2
+    assert load_latest(out / "nothing-here") is None
+
+
+def test_quality_command(tiny_export_dir, tmp_path):
+    from bench.__main__ import main
+
+    assert main(["quality", "--model", str(tiny_export_dir), "--sentences", "6", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert results["sentences"] == 6 and results["reference"] == "pytorch"
+    ref_texts = results["outputs"]["pytorch"]
+    for name, b in results["backends"].items():
+        a = b["agreement"]
+        assert a["n"] == 6 and 0 <= a["identical"] <= 6
+        assert len(a["first_divergence_steps"]) == 6
+        assert 0 <= b["vs_references"]["bleu"] <= 100 and 0 <= b["vs_references"]["chrf"] <= 100
+        assert len(b["differing"]) == 6 - a["identical"]
+        assert len(results["outputs"][name]) == 6
+    for name in FP32:
+        b = results["backends"][name]
+        assert b["agreement"]["identical_share"] == 1.0 and b["identical_text"] == 6 and b["differing"] == []
+        assert b["vs_reference_backend"]["bleu"] == pytest.approx(100.0)
+        assert results["outputs"][name] == ref_texts
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert md.startswith("# Quality") and "| `ort_fp32_kv_cache` | 6/6 (100.0%)" in md
+
+
+# --- the app's entry points ---------------------------------------------------------------------
+
+
+def test_quick_run_for_the_app(tiny_backends, tmp_path):
+    from bench.report import load_latest, write
+    from bench.speed import quick_run
+
+    calls = []
+    sentences = dev_sentences(3)
+    results = quick_run(tiny_backends, sentences, progress=lambda f, msg: calls.append((f, msg)), forced_tokens=4)
+    fractions = [f for f, _ in calls]
+    assert fractions == sorted(fractions) and fractions[0] == 0 and fractions[-1] == 1.0
+    assert list(results["runtimes"]) == list(tiny_backends)
+    for name, r in results["runtimes"].items():
+        assert r["latency"]["n"] == 3 and r["latency"]["tokens_mean"] == 4.0
+        _ordered(r["latency"])
+        assert r["throughput"]["3"]["generated_tokens"] == 12
+    for name in FP32:
+        assert results["runtimes"][name]["comparison"]["identical_to_reference"] == 1.0
+    write(results, tmp_path)
+    latest = load_latest(tmp_path)
+    assert latest["results"]["quick"] is True and "| `ort_fp32_kv_cache` |" in latest["markdown"]
+    with pytest.raises(ValueError, match="1 to 20"):
+        quick_run(tiny_backends, dev_sentences(21))
+
+
+def test_spot_check_for_the_app(tiny_backends):
+    from bench.quality import spot_check
+
+    pairs = read_tsv(CORPUS / "dev.tsv")[:3]
+    r = spot_check(tiny_backends, [p.en for p in pairs], references=[p.zh for p in pairs], max_new_tokens=8)
+    assert r["reference"] == "pytorch" and list(r["backends"]) == list(tiny_backends)
+    for name, b in r["backends"].items():
+        _ordered(b["latency_ms"])
+        assert b["latency_ms"]["n"] == 3 and len(b["translations"]) == 3
+        assert 0 <= b["vs_references"]["bleu"] <= 100
+    for name in FP32:
+        assert r["backends"][name]["agreement"]["identical_share"] == 1.0
+    json.dumps(r)  # downloadable as JSON
+    with pytest.raises(ValueError, match="references"):
+        spot_check(tiny_backends, ["One.", "Two."], references=["一。"])
+    with pytest.raises(ValueError, match="empty"):
+        spot_check(tiny_backends, ["One.", "  "])
+
+
+# --- peers (only where the peer environment exists: `make bench-venv`) ---------------------------
+
+
+@pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
+def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, tmp_path):
+    from bench.speed import SpeedOptions, run
+
+    pairs = default_sample(4)
+    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1)
+    results = run(tiny_export_dir, pairs, options, tmp_path / "out", backend_names=["pytorch"],
+                  peer_names=["ct2_float32", "ct2_int8"], peer_python=PEER_PYTHON, peer_cache=tmp_path / "peers",
+                  log=lambda m: None)
+    assert results["failed"] == {}
+    for name in ("ct2_float32", "ct2_int8"):
+        r = results["runtimes"][name]
+        assert r["kind"] == "peer" and r["latency"]["n"] == 4 and r["latency"]["tokens_mean"] == 4.0
+        _ordered(r["latency"])
+        assert r["throughput"]["2"]["generated_tokens"] == 16 and r["size_bytes"] > 0
+    assert results["runtimes"]["ct2_float32"]["comparison"]["identical_to_reference"] == 1.0
+    assert all(results["runtimes"][n]["tokenization_mismatches"] == [] for n in ("ct2_float32", "ct2_int8"))
+    assert "ctranslate2" in results["environment"]["peer_environment"]["versions"]
