@@ -1,0 +1,205 @@
+"""The shipped model's conventions, and the training code on a tiny synthetic corpus."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from train import data, loop  # noqa: E402
+from train.model import ModelSize, build_model, count_parameters  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "assets" / "marian-en-zh-small"
+
+
+# -- the shipped model --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped():
+    from transformers import MarianMTModel, MarianTokenizer
+
+    tok = MarianTokenizer.from_pretrained(str(SHIPPED))
+    model = MarianMTModel.from_pretrained(str(SHIPPED))
+    return tok, model
+
+
+def test_shipped_size_limits(shipped):
+    _, model = shipped
+    assert count_parameters(model) <= 25_000_000
+    assert (SHIPPED / "model.safetensors").stat().st_size <= 60 * 1024 * 1024
+    leftovers = [p.name for p in SHIPPED.iterdir() if p.suffix in (".pt", ".bin", ".txt", ".log")]
+    assert leftovers == []
+
+
+def test_shipped_special_ids(shipped):
+    tok, model = shipped
+    vocab = tok.get_vocab()
+    pad = len(vocab) - 1
+    assert (vocab["</s>"], vocab["<unk>"], vocab["<pad>"]) == (0, 1, pad)
+    assert (tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (0, 1, pad)
+    cfg = model.config
+    assert cfg.vocab_size == len(vocab)
+    assert (cfg.pad_token_id, cfg.decoder_start_token_id, cfg.eos_token_id) == (pad, pad, 0)
+    gen = model.generation_config
+    assert gen.bad_words_ids == [[pad]] and gen.num_beams == 1 and gen.max_length == 512
+    raw = json.loads((SHIPPED / "config.json").read_text())
+    assert raw["bad_words_ids"] == [[pad]] and raw["max_length"] == 512 and raw["num_beams"] == 1
+    assert (raw["activation_function"], raw["max_position_embeddings"], raw["scale_embedding"]) == ("swish", 512, True)
+
+
+def test_shipped_tokenizer_round_trip(shipped):
+    tok, _ = shipped
+    ids = tok("Click OK to save the document.").input_ids
+    assert ids[-1] == 0 and 1 not in ids
+    zh = "点击「确定」，保存文档。"
+    tgt = tok(text_target=zh).input_ids
+    assert tgt[-1] == 0 and 1 not in tgt
+    assert tok.decode(tgt, skip_special_tokens=True) == zh
+
+
+def test_shipped_translates(shipped):
+    tok, model = shipped
+    enc = tok(["My father works in a factory."], return_tensors="pt")
+    out = model.generate(**enc, num_beams=1, do_sample=False, max_new_tokens=32)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    assert "工厂" in text, text
+
+
+def test_shipped_scores_meet_floor():
+    result = json.loads((SHIPPED / "eval.json").read_text())
+    assert result["whole"]["rows"] == 500
+    assert result["whole"]["bleu"] >= 10 and result["whole"]["chrf"] >= 10
+    assert result["tatoeba"]["rows"] + result["docs"]["rows"] == 500
+
+
+def test_examples_file():
+    lines = (REPO / "assets" / "examples.tsv").read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "en" and len(lines) - 1 == 12
+    dev_en = {l.split("\t")[1] for l in (REPO / ".." / "shared" / "corpus" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]} \
+        if (REPO / ".." / "shared" / "corpus" / "dev.tsv").exists() else set()
+    assert not dev_en & set(lines[1:])
+
+
+# -- data and batching --------------------------------------------------------------------
+
+def test_read_tsv_never_merges_quoted_rows(tmp_path):
+    path = tmp_path / "t.tsv"
+    path.write_text('source\ten\tzh\nx\tSay "hi\t说“嗨\nx\tthen" bye\t然后再见\n', encoding="utf-8")
+    pairs = data.read_tsv(path)
+    assert [p.en for p in pairs] == ['Say "hi', 'then" bye']
+
+
+def test_filter_reasons():
+    P = data.Pair
+    pairs = [
+        P("a", "Click %s to continue.", "点击 %s 以继续。"),
+        P("a", "Click %s to continue.", "点击 %s 以继续。"),                 # duplicate
+        P("a", "", "空"),                                                   # empty
+        P("a", "A long English sentence with many words in it.", "好"),     # ratio
+        P("a", "This string was never translated at all.", "This string was never translated at all."),
+        P("libreoffice_help", "Choose Edit - Undo.", "选择「编辑 - 撤销」。"),
+    ]
+    kept, stats = data.filter_pairs(pairs)
+    assert [p.zh for p in kept] == ["点击 %s 以继续。", "选择「编辑 - 撤销」。"]
+    assert stats["dropped"] == {"duplicate": 1, "empty": 1, "length_ratio": 1, "untranslated": 1}
+    # Full-width Chinese punctuation survives normalisation.
+    kept, _ = data.filter_pairs([P("a", "Yes, no?", "是，否？")])
+    assert kept[0].zh == "是，否？"
+
+
+def test_batches_respect_token_budget_and_shift():
+    rng = random.Random(0)
+    encoded = [([5] * rng.randint(2, 30) + [0], [6] * rng.randint(2, 30) + [0]) for _ in range(500)]
+    batches = loop.make_batches(encoded, 400, random.Random(1))
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for b in batches:
+        longest = max(max(len(encoded[i][0]), len(encoded[i][1])) for i in b)
+        assert len(b) == 1 or longest * len(b) * 2 <= 400
+    input_ids, mask, dec_in, labels = loop.collate(encoded, batches[0], pad=99)
+    row = encoded[batches[0][0]][1]
+    assert dec_in[0, 0] == 99 and dec_in[0, 1 : len(row)].tolist() == row[:-1]
+    assert labels[0, : len(row)].tolist() == row and (labels[0, len(row) :] == -100).all()
+    assert (mask == input_ids.ne(99)).all()
+
+
+def test_inverse_sqrt_schedule():
+    f = loop.inverse_sqrt(100)
+    assert f(50) == pytest.approx(0.5) and f(100) == pytest.approx(1.0) and f(400) == pytest.approx(0.5)
+
+
+# -- a tiny end-to-end run ----------------------------------------------------------------
+
+NOUNS = [("apple", "苹果"), ("book", "书"), ("cat", "猫"), ("file", "文件"), ("window", "窗口")]
+VERBS = [("open", "打开"), ("close", "关闭"), ("save", "保存"), ("delete", "删除")]
+
+
+def _corpus(folder: Path) -> None:
+    rows = [("src", f"Please {v} the {n} number {k}.", f"请{vz}第{k}个{nz}。")
+            for k in range(10) for v, vz in VERBS for n, nz in NOUNS]
+    folder.mkdir()
+    (folder / "train.tsv").write_text("source\ten\tzh\n" + "".join("\t".join(r) + "\n" for r in rows), encoding="utf-8")
+    dev = [("tatoeba", "Please open the cat number 3.", "请打开第3个猫。"),
+           ("doc", "Please save the file number 7.", "请保存第7个文件。")]
+    (folder / "dev.tsv").write_text("source\ten\tzh\n" + "".join("\t".join(r) + "\n" for r in dev), encoding="utf-8")
+
+
+TINY = ["--d-model", "32", "--heads", "2", "--ffn", "64", "--encoder-layers", "1", "--decoder-layers", "1",
+        "--src-vocab", "60", "--tgt-vocab", "60", "--dev-subset", "2", "--max-tokens", "800",
+        "--checkpoint-minutes", "100"]
+
+
+def test_training_cli_and_resume(tmp_path):
+    from train.__main__ import main
+    from transformers import MarianMTModel, MarianTokenizer
+
+    corpus = tmp_path / "corpus"
+    _corpus(corpus)
+    out, run = tmp_path / "model", tmp_path / "run"
+    common = ["--out", str(out), "--corpus", str(corpus), "--run-dir", str(run), *TINY]
+    main([*common, "--max-steps", "3", "--no-eval"])
+    first = json.loads((run / "summary.json").read_text())
+    assert first["steps"] == 3 and first["pairs_used"] == 200
+    main([*common, "--max-steps", "6", "--resume"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6
+    assert "resumed at step 3" in (run / "train.log").read_text()
+    result = json.loads((out / "eval.json").read_text())
+    assert result["whole"]["rows"] == 2 and result["tatoeba"]["rows"] == 1
+    tok = MarianTokenizer.from_pretrained(str(out))
+    model = MarianMTModel.from_pretrained(str(out))
+    pad = len(tok.get_vocab()) - 1
+    assert model.config.decoder_start_token_id == pad and model.generation_config.bad_words_ids == [[pad]]
+    assert count_parameters(model) == summary["parameters"]
+
+
+def test_loss_goes_down(tmp_path):
+    """A few updates on one repeated batch must cut the loss: the loop really learns."""
+    from train.tokenizer import train_spm, write_tokenizer
+
+    corpus = tmp_path / "corpus"
+    _corpus(corpus)
+    pairs = data.read_tsv(corpus / "train.tsv")
+    src = train_spm([p.en for p in pairs], tmp_path / "spm" / "source", 60, 1.0)
+    tgt = train_spm([p.zh for p in pairs], tmp_path / "spm" / "target", 60, 1.0, "identity")
+    tok = write_tokenizer(tmp_path / "tok", src, tgt, [p.zh for p in pairs[:5]])
+    encoded = loop.encode_pairs(tok, pairs, 128)
+    model = build_model(len(tok.get_vocab()), ModelSize(d_model=32, heads=2, ffn=64, encoder_layers=1, decoder_layers=1))
+    trainer = loop.Trainer(model, tok, encoded, [], tmp_path / "run", loop.TrainOptions(lr=3e-3, warmup=5, label_smoothing=0.0))
+    batch = loop.collate(encoded, list(range(0, 200, 4)), model.config.pad_token_id)
+    first = trainer.loss(batch)[0].detach()
+    for _ in range(60):
+        loss, _ = trainer.loss(batch)
+        trainer.optimizer.zero_grad()
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    last = trainer.loss(batch)[0].detach()
+    # An untrained model is near-uniform over the vocabulary; 60 updates must cut that by 40%.
+    assert abs(float(first) - math.log(len(tok.get_vocab()))) < 0.3
+    assert float(last) < 0.6 * float(first), (float(first), float(last))

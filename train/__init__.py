@@ -1,0 +1,4 @@
+"""Train the small English→Chinese Marian model shipped in assets/ (issue 3).
+
+`python -m train --out assets/marian-en-zh-small` reproduces it from ../shared/corpus.
+"""
