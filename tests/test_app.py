@@ -1,0 +1,220 @@
+"""app.py end to end: `python app.py` in a subprocess, driven through gradio_client's `compare`.
+
+The app runs on `app_model`: the embedded model when assets/marian-en-zh-small exists (exported
+to exports/ on the first start, reused after), else the tiny test export.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from gradio_client import Client
+
+from backends import APPROXIMATE, BACKEND_NAMES
+from conftest import EMBEDDED_MODEL, REPO
+
+BACKENDS = list(BACKEND_NAMES)
+FP32 = [n for n in BACKENDS if n != "pytorch" and n not in APPROXIMATE]
+SENTENCE = "Click outside the spreadsheet to view the slide."
+TINY_MAX_NEW_TOKENS = 24  # the tiny random model rarely stops by itself; a trained one does
+QUEUE_SIZE = 2  # small on purpose, so the busy test can fill it
+START_TIMEOUT_S = 900  # a first start exports the embedded model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"app exited with {proc.returncode} before serving; log:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"app did not serve {url} within {timeout} s; log:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def app_model(request) -> Path:
+    """What the app under test serves: the embedded model if present, else the tiny export."""
+    if (EMBEDDED_MODEL / "config.json").is_file():
+        return EMBEDDED_MODEL
+    return request.getfixturevalue("tiny_export_dir")
+
+
+@pytest.fixture(scope="module")
+def app_url(app_model, artifacts_dir, request):
+    """`python app.py --model ...` on a free port, as a user starts it; stopped after the module."""
+    port = free_port()
+    log = artifacts_dir / f"app-{request.module.__name__}.log"
+    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1")
+    env["GRADIO_ANALYTICS_ENABLED"] = "False"
+    cmd = [sys.executable, "app.py", "--model", str(app_model), "--queue-size", str(QUEUE_SIZE), "--threads", "2"]
+    if app_model != EMBEDDED_MODEL:
+        cmd += ["--max-new-tokens", str(TINY_MAX_NEW_TOKENS)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(url, proc, log, START_TIMEOUT_S)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return Client(app_url, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def result(client):
+    return client.predict(SENTENCE, api_name="/compare")
+
+
+def test_only_compare_is_in_the_api(client):
+    assert list(client.view_api(print_info=False, return_format="dict")["named_endpoints"]) == ["/compare"]
+
+
+def test_compare_returns_every_backend(result, app_model):
+    if app_model == EMBEDDED_MODEL:  # a trained model ends the sentence itself
+        assert result["backends"]["pytorch"]["stop_reason"] == "eos"
+    assert result["reference"] == "pytorch"
+    assert list(result["backends"]) == BACKENDS
+    for name, b in result["backends"].items():
+        assert b["error"] is None, f"{name}: {b['error']}"
+        assert b["text"] and len(b["token_ids"]) >= 1
+        assert len(b["tokens"]) == len(b["token_ids"])
+        assert b["info"]["precision"] and b["info"]["provider"] and b["info"]["threads"] >= 1
+
+
+
+def test_fp32_backends_agree_with_pytorch(result):
+    ref = result["backends"]["pytorch"]
+    assert ref["divergence"] is None
+    assert FP32 == ["ort_fp32_single_step", "ort_fp32_kv_cache"]
+    for name in FP32:
+        b = result["backends"][name]
+        assert b["token_ids"] == ref["token_ids"] and b["text"] == ref["text"]
+        d = b["divergence"]
+        assert d["identical"] and d["first"] is None
+        assert d["teacher_forced"]["max_abs_dlogit_overall"] < 1e-4
+        assert d["teacher_forced"]["steps_not_argmax"] == []
+    for name in APPROXIMATE:  # reduced precision drifts, measurably and finitely
+        tf = result["backends"][name]["divergence"]["teacher_forced"]
+        assert 0 < tf["max_abs_dlogit_overall"] < 50 and tf["non_finite_mismatch_steps"] == []
+    assert result["backends"]["ort_fp16"]["divergence"]["teacher_forced"]["max_abs_dlogit_overall"] < 0.5
+
+
+def test_timings_are_positive(result):
+    for name, b in result["backends"].items():
+        t = b["timings_ms"]
+        for key in ("tokenize", "encode", "first_token", "per_token", "decode", "total"):
+            assert t[key] > 0, f"{name} {key} = {t[key]}"
+        assert t["total"] >= t["first_token"] and t["total"] >= t["decode"]
+        assert b["runs"]["n"] == 1 and b["runs"]["cold_ms"] == pytest.approx(t["total"])
+
+
+@pytest.mark.parametrize("text", ["", "   \n "])
+def test_empty_input_gives_a_clear_error(client, text):
+    with pytest.raises(Exception, match="the input is empty: type an English sentence to translate"):
+        client.predict(text, api_name="/compare")
+
+
+def test_repeat_reports_cold_run_and_median(client):
+    out = client.predict(SENTENCE, 3, api_name="/compare")
+    for name, b in out["backends"].items():
+        runs = b["runs"]
+        assert runs["n"] == 3 and len(runs["totals_ms"]) == 3 and runs["cold_ms"] == runs["totals_ms"][0]
+        assert runs["median_ms"] == pytest.approx(statistics.median(runs["totals_ms"][1:]))
+        assert runs["min_ms"] <= runs["median_ms"] <= runs["max_ms"]
+
+
+def test_full_queue_answers_busy(client):
+    """One running, QUEUE_SIZE waiting; the next ones are turned away with 'try again'."""
+    jobs = [client.submit(SENTENCE, 2, api_name="/compare") for _ in range(QUEUE_SIZE + 3)]
+    outcomes = []
+    for job in jobs:
+        try:
+            job.result(timeout=600)
+            outcomes.append("ok")
+        except Exception as e:  # gradio_client raises QueueError("Queue is full! Please try again.")
+            outcomes.append(f"{type(e).__name__}: {e}")
+    busy = [o for o in outcomes if "Queue is full" in o and "try again" in o]
+    assert outcomes.count("ok") >= 1 and busy, outcomes
+    assert all(o == "ok" or o in busy for o in outcomes), outcomes
+
+
+def test_backend_that_failed_to_load_is_shown_while_others_work(tiny_backends):
+    """In-process: the app built with one backend missing still serves the other three."""
+    import app
+
+    backends = {k: v for k, v in tiny_backends.items() if k != "ort_fp16"}
+    others = [n for n in BACKENDS if n != "ort_fp16"]
+    errors = {"ort_fp16": "FileNotFoundError: decoder_fp16.onnx is missing"}
+    loaded = app.Loaded(backends, errors, model="tiny", export_note="in-process", max_new_tokens=6)
+    demo = app.build_app(loaded)
+    demo.queue(max_size=4, default_concurrency_limit=1)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        out = Client(f"http://127.0.0.1:{port}/", verbose=False).predict(SENTENCE, api_name="/compare")
+    finally:
+        demo.close()
+    assert list(out["backends"]) == BACKENDS
+    assert out["backends"]["ort_fp16"]["error"] == "failed to load: FileNotFoundError: decoder_fp16.onnx is missing"
+    for name in others:
+        assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == 6
+
+
+def test_cli_refuses_a_model_it_cannot_use(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run(
+        [sys.executable, "app.py", "--model", str(missing), "--export-dir", str(tmp_path / "export")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, GRADIO_SERVER_PORT=str(free_port())),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: cannot start with model '{missing}'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("Helsinki-NLP/opus-mt-en-zh", "Helsinki-NLP--opus-mt-en-zh"),
+        (str(EMBEDDED_MODEL), "marian-en-zh-small"),
+        ("/some/where/tiny", "tiny"),
+    ],
+)
+def test_export_folder_name(model, name):
+    import app
+
+    assert app.export_name(model) == name
+
+
+def test_importing_the_app_loads_no_model():
+    """No import-time side effects: torch (and any model) is loaded by main(), not by `import app`."""
+    code = "import sys, app; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

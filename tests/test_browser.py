@@ -1,0 +1,117 @@
+"""A real browser on the app: Debian's Chromium driven by Playwright, headless.
+
+Loads the page, types a sentence, presses Translate, waits for every backend's translation, checks
+that the divergence view and the latency table and chart are rendered, and saves a screenshot to
+test-artifacts/app.png. `.ci/run` installs chromium and fonts-noto-cjk.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from app import LABELS
+from test_app import BACKENDS, SENTENCE, app_model, app_url  # noqa: F401  (fixtures)
+
+CHROMIUM = Path("/usr/bin/chromium")
+TIMEOUT_MS = 180_000
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium fonts-noto-cjk)",
+)
+
+
+@pytest.fixture(scope="module")
+def page(app_url):  # noqa: F811
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(app_url, wait_until="networkidle")
+        page.locator("#translate-btn").wait_for()
+        yield page
+        browser.close()
+
+
+def _status(page) -> str:
+    return page.locator("#status").inner_text()
+
+
+def test_translate_shows_every_backend_divergence_and_latency(page, artifacts_dir):
+    page.locator("#input-text textarea").fill(SENTENCE)
+    page.locator("#translate-btn").click()
+    page.wait_for_function(
+        "() => document.querySelector('#status')?.innerText.includes('Done:')", timeout=TIMEOUT_MS
+    )
+    assert f"Done: {len(BACKENDS)}/{len(BACKENDS)} backends translated" in _status(page)
+
+    translations = {n: page.locator(f"#out-{n} textarea").input_value() for n in BACKENDS}
+    assert all(translations.values()), translations
+    # fp32 graphs reproduce PyTorch's text exactly
+    assert translations["ort_fp32_single_step"] == translations["pytorch"] == translations["ort_fp32_kv_cache"]
+    for n in BACKENDS[1:]:
+        assert "PyTorch" in page.locator(f"#stats-{n}").inner_text()
+    assert "total" in page.locator("#stats-pytorch").inner_text()
+
+    divergence = page.locator("#divergence")
+    text = divergence.inner_text()
+    for name in BACKENDS[1:]:
+        assert LABELS[name] in text
+    assert text.count("identical") >= 2 and "max |Δlogit|" in text
+    n_tokens = len(page.locator("#divergence .tokcol").all())
+    assert n_tokens >= len(BACKENDS) - 1, "expected aligned token columns for every ORT backend"
+    page.locator("#forced-plot img").wait_for()
+
+    table = page.locator("#latency-table").inner_text()
+    for name in BACKENDS:
+        assert LABELS[name] in table
+    page.locator("#latency-plot img").wait_for()
+
+    page.wait_for_timeout(500)  # let the plots finish fading in
+    shot = artifacts_dir / "app.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 50_000
+
+
+def test_enter_on_empty_input_shows_a_clear_message(page):
+    box = page.locator("#input-text textarea")
+    box.fill("   ")
+    box.press("Enter")
+    page.wait_for_function(
+        "() => document.querySelector('#status')?.innerText.includes('input is empty')", timeout=30_000
+    )
+    assert "the input is empty: type an English sentence to translate" in _status(page)
+    assert page.locator("#out-pytorch textarea").input_value() == ""
+
+
+STREAM_SNAPSHOT = """() => {
+  const status = document.querySelector('#status')?.innerText || '';
+  if (!/\\d+\\/\\d+ done; running/.test(status)) return false;
+  const out = {status, filled: [], waiting: []};
+  for (const name of NAMES) {
+    if (document.querySelector(`#out-${name} textarea`).value) out.filled.push(name);
+    const stats = document.querySelector(`#stats-${name}`).innerText;
+    if (stats.includes('waiting') || stats.includes('running')) out.waiting.push(name);
+  }
+  return out;
+}"""
+
+
+def test_results_stream_in_as_each_backend_finishes(page):
+    """Mid-run, PyTorch's translation is on the page while later backends are still pending."""
+    page.locator("#repeat input[type=number]").fill("5")
+    page.locator("#repeat input[type=number]").press("Tab")
+    page.locator("#input-text textarea").fill("Please save your work before closing the window.")
+    page.locator("#translate-btn").click()
+    js = STREAM_SNAPSHOT.replace("NAMES", str(BACKENDS))
+    snapshot = page.wait_for_function(js, timeout=TIMEOUT_MS, polling=50).json_value()
+    assert snapshot["filled"][:1] == ["pytorch"], snapshot
+    assert snapshot["waiting"] and BACKENDS[-1] in snapshot["waiting"], snapshot
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('Done:')", timeout=TIMEOUT_MS)
+    assert "5 runs each" in _status(page)
+    assert "run 1 (cold)" in page.locator("#latency-table").inner_text()

@@ -1,0 +1,254 @@
+"""backends/compare.py: alignment on hand-made sequences, then real runs on the tiny backends."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends import BACKEND_NAMES, Backend, InputError
+from backends.compare import align, check_repeat, compare, compare_iter, first_divergence, summarize_runs
+
+SENTENCE = "Click outside the spreadsheet to view the slide."
+MAX_NEW = 12  # the tiny random model rarely emits eos: cap it so each run stays short
+
+
+# --- alignment, hand-made --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ref, other, ops, first",
+    [
+        ([1, 2, 3, 0], [1, 2, 3, 0], ["same"] * 4, None),
+        ([1, 2, 3, 0], [1, 9, 3, 0], ["same", "changed", "same", "same"], 1),
+        # one inserted token: one extra row, the tail still aligns
+        ([1, 2, 3, 0], [1, 2, 7, 3, 0], ["same", "same", "extra", "same", "same"], 2),
+        # one dropped token
+        ([1, 2, 3, 0], [1, 3, 0], ["same", "missing", "same", "same"], 1),
+        # a prefix: the reference went on where the other stopped
+        ([5, 6, 0], [5, 6], ["same", "same", "missing"], 2),
+        # two changed, then one extra inside the same replaced block
+        ([1, 2, 3, 0], [1, 8, 9, 4, 0], ["same", "changed", "changed", "extra", "same"], 1),
+        ([], [4, 0], ["extra", "extra"], 0),
+    ],
+)
+def test_align_and_first_divergence(ref, other, ops, first):
+    rows = align(ref, other)
+    assert [r.op for r in rows] == ops
+    # every reference and every other token appears exactly once, in order
+    assert [r.ref_id for r in rows if r.ref_id is not None] == ref
+    assert [r.id for r in rows if r.id is not None] == other
+    assert [r.step for r in rows if r.step is not None] == list(range(len(other)))
+    assert first_divergence(ref, other) == first
+
+
+def test_summarize_runs_marks_the_cold_run_and_uses_warm_ones():
+    s = summarize_runs([100.0, 10.0, 14.0, 12.0])
+    assert s["cold_ms"] == 100.0 and s["n"] == 4
+    assert s["median_ms"] == 12.0 and s["min_ms"] == 10.0 and s["max_ms"] == 14.0 and s["spread_ms"] == 4.0
+    one = summarize_runs([50.0])
+    assert one["median_ms"] == one["cold_ms"] == 50.0 and one["spread_ms"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [0, 21, 1.5, "3", None, True])
+def test_check_repeat_rejects(bad):
+    with pytest.raises(ValueError, match="repeat must be an integer in 1..20"):
+        check_repeat(bad)
+
+
+def test_check_repeat_accepts_integral_floats():
+    assert check_repeat(3.0) == 3 and check_repeat(1) == 1
+
+
+# --- test doubles wrapping a real engine ------------------------------------------------------
+
+
+class _Raising:
+    """An engine whose decoder step fails, like a corrupt graph."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, input_ids, attention_mask):
+        return self.inner.encode(input_ids, attention_mask)
+
+    def step(self, state, decoder_ids):
+        raise RuntimeError("decoder graph exploded")
+
+
+class _SwapAtStep:
+    """A real engine whose logits at one step have top-1 and top-2 swapped: a controlled flip."""
+
+    def __init__(self, inner, step):
+        self.inner, self.at = inner, step
+
+    def encode(self, input_ids, attention_mask):
+        return self.inner.encode(input_ids, attention_mask)
+
+    def step(self, state, decoder_ids):
+        logits = np.array(self.inner.step(state, decoder_ids), dtype=np.float32, copy=True)  # (b, V)
+        if decoder_ids.shape[1] - 1 == self.at:
+            for row in logits:
+                a, b = np.argsort(-row, kind="stable")[:2]
+                row[a], row[b] = row[b], row[a]
+        return logits
+
+
+def _wrap(backend: Backend, name: str, model) -> Backend:
+    return Backend(name, model, backend.tokenizer, backend.manifest, dict(backend.info))
+
+
+# --- real runs on the tiny backends -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def result(tiny_backends):
+    streamed = list(compare_iter(tiny_backends, SENTENCE, max_new_tokens=MAX_NEW, repeat=2))
+    return streamed
+
+
+def test_streams_each_backend_in_load_order(result, tiny_backends):
+    assert [r.name for r in result] == list(tiny_backends)
+    assert [r.name for r in result][0] == "pytorch"
+
+
+def test_fp32_backends_do_not_diverge(result):
+    by = {r.name: r for r in result}
+    ref = by["pytorch"].translation
+    assert by["pytorch"].divergence is None and by["pytorch"].error is None
+    assert len(ref.token_ids) == MAX_NEW
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
+        d = by[name].divergence
+        assert by[name].translation.token_ids == ref.token_ids
+        assert d["identical"] and d["first"] is None and d["agreement"] == 1.0
+        assert [a["op"] for a in d["alignment"]] == ["same"] * MAX_NEW
+        tf = d["teacher_forced"]
+        assert tf["steps"] == MAX_NEW and len(tf["max_abs_dlogit"]) == MAX_NEW
+        assert tf["max_abs_dlogit_overall"] < 1e-4
+        assert tf["ref_token_rank"] == [0] * MAX_NEW and tf["steps_not_argmax"] == []
+        np.testing.assert_allclose(tf["ref_token_prob"], tf["ref_token_prob_reference"], rtol=1e-4)
+
+
+def test_fp16_drifts_measurably_but_within_bounds(result):
+    tf = {r.name: r for r in result}["ort_fp16"].divergence["teacher_forced"]
+    # half precision: clearly above fp32's ~1e-7 noise, far below a changed decision
+    assert 1e-6 < tf["max_abs_dlogit_overall"] < 5e-2
+
+
+def test_timings_and_repeat_summary(result):
+    for r in result:
+        assert r.error is None
+        t = r.timings_ms
+        assert set(t) >= {"tokenize", "encode", "first_token", "per_token", "decode", "total"}
+        assert t["total"] > 0 and t["per_token"] > 0 and t["total"] >= t["decode"]
+        assert r.runs["n"] == 2 and len(r.runs["totals_ms"]) == 2
+        assert r.runs["median_ms"] == r.runs["totals_ms"][1]  # one warm run: its own total
+        assert r.runs["cold_ms"] == r.runs["totals_ms"][0] > 0
+
+
+def test_json_shape(tiny_backends):
+    out = compare(tiny_backends, SENTENCE, max_new_tokens=4)
+    assert out["reference"] == "pytorch"
+    assert list(out["backends"]) == list(BACKEND_NAMES)
+    for b in out["backends"].values():
+        assert {"text", "tokens", "token_ids", "timings_ms", "divergence", "error"} <= set(b)
+        assert len(b["tokens"]) == len(b["token_ids"]) == 4
+    json.dumps(out)  # serialisable as is
+
+
+def test_controlled_flip_is_found_with_its_numbers(tiny_backends):
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    flipped = _wrap(kv, "flipped", _SwapAtStep(kv.model, step=2))
+    results = {
+        r.name: r
+        for r in compare_iter(
+            {"pytorch": tiny_backends["pytorch"], "flipped": flipped}, SENTENCE, max_new_tokens=MAX_NEW
+        )
+    }
+    ref, d = results["pytorch"].translation, results["flipped"].divergence
+    first = d["first"]
+    assert not d["identical"] and first["step"] == 2
+    assert results["flipped"].translation.token_ids[:2] == ref.token_ids[:2]
+    # the flipped backend took the reference's runner-up, with the reference's top-1 as its own runner-up
+    assert first["backend"]["token"] == first["reference"]["runner_up"]
+    assert first["backend"]["runner_up"] == first["reference"]["token"]
+    # swapping two logits permutes the softmax: each backend gives its top-1 what the other gave its own
+    assert math.isclose(first["backend"]["prob"], first["reference"]["prob"], rel_tol=1e-4)
+    assert math.isclose(first["backend"]["other_token_prob"], first["reference"]["runner_up_prob"], rel_tol=1e-4)
+    assert math.isclose(first["backend"]["margin_logprob"], first["reference"]["margin_logprob"], rel_tol=1e-3)
+    assert math.isclose(first["reference"]["other_token_prob"], first["reference"]["runner_up_prob"])
+    assert first["reference"]["margin_prob"] > 0
+    assert d["alignment"][2]["op"] in ("changed", "extra")
+    # forced on the reference's tokens, the drift sits at step 2 only, equal to the swapped gap
+    tf = d["teacher_forced"]
+    assert tf["steps_not_argmax"] == [2] and tf["ref_token_rank"][2] == 1
+    others = [x for i, x in enumerate(tf["max_abs_dlogit"]) if i != 2]
+    assert max(others) < 1e-4
+    assert math.isclose(tf["max_abs_dlogit"][2], first["reference"]["margin_logprob"], rel_tol=1e-3)
+
+
+def test_broken_backend_gets_an_error_entry_and_others_still_run(tiny_backends):
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    backends = dict(tiny_backends)
+    backends["ort_fp32_kv_cache"] = _wrap(kv, "ort_fp32_kv_cache", _Raising(kv.model))
+    out = compare(backends, SENTENCE, max_new_tokens=4, load_errors=None)
+    broken = out["backends"]["ort_fp32_kv_cache"]
+    assert broken["error"] == "RuntimeError: decoder graph exploded" and broken["text"] is None
+    for name in (n for n in BACKEND_NAMES if n != "ort_fp32_kv_cache"):
+        assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == 4
+    assert out["backends"]["ort_fp16"]["divergence"]["teacher_forced"]["steps"] == 4
+
+
+def test_backend_that_failed_to_load_keeps_its_place(tiny_backends):
+    backends = {k: v for k, v in tiny_backends.items() if k != "ort_fp16"}
+    errors = {"ort_fp16": "FileNotFoundError: decoder_fp16.onnx"}
+    out = compare(backends, SENTENCE, max_new_tokens=3, load_errors=errors)
+    assert list(out["backends"]) == list(BACKEND_NAMES)  # in its own place, not appended
+    assert out["backends"]["ort_fp16"]["error"] == "failed to load: FileNotFoundError: decoder_fp16.onnx"
+    assert out["backends"]["ort_fp32_kv_cache"]["divergence"]["identical"]
+
+
+def test_missing_reference_still_runs_the_others(tiny_backends):
+    backends = {k: v for k, v in tiny_backends.items() if k != "pytorch"}
+    out = compare(backends, SENTENCE, max_new_tokens=3, load_errors={"pytorch": "OSError: weights gone"})
+    assert list(out["backends"])[0] == "pytorch" and out["backends"]["pytorch"]["error"].startswith("failed to load")
+    for name in BACKEND_NAMES[1:]:
+        b = out["backends"][name]
+        assert b["error"] is None and len(b["token_ids"]) == 3
+        assert "no reference" in b["divergence"]["error"]
+
+
+class _Counting:
+    def __init__(self):
+        self.calls = 0
+
+    def encode(self, *a):
+        self.calls += 1
+        raise AssertionError("must not be called")
+
+    step = encode
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t"])
+def test_empty_input_is_rejected_before_any_model_call(tiny_backends, text):
+    engine = _Counting()
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    with pytest.raises(InputError, match="empty"):
+        list(compare_iter({"pytorch": _wrap(kv, "pytorch", engine)}, text))
+    assert engine.calls == 0
+
+
+def test_too_long_input_raises_input_error(tiny_backends):
+    with pytest.raises(InputError, match="at most 512"):
+        compare(tiny_backends, "word " * 2000, max_new_tokens=2)
+
+
+def test_compare_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, backends.compare; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
