@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from backends import APPROXIMATE, REFERENCE, SessionConfig, load_backends
+from backends import APPROXIMATE, BACKEND_NAMES, REFERENCE, SessionConfig, load_backends
 
 DEFAULT_DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "dev.tsv"
 
@@ -24,8 +24,17 @@ def read_english(path: Path, count: int) -> list[str]:
     return rows[:count]
 
 
-def run(export_dir: Path, sentences: list[str], max_new_tokens: int, batch_size: int, threads: int | None) -> dict:
-    backends = load_backends(export_dir, session=SessionConfig(threads=threads))
+def run(
+    export_dir: Path,
+    sentences: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    threads: int | None,
+    names: tuple[str, ...] = BACKEND_NAMES,
+) -> dict:
+    if REFERENCE not in names:
+        names = (REFERENCE, *names)
+    backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads))
     outputs, seconds = {}, {}
     for name, backend in backends.items():
         start = time.perf_counter()
@@ -57,9 +66,12 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--backends", default=",".join(BACKEND_NAMES), help="comma-separated; pytorch is always run")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
-    report = run(args.export_dir, read_english(args.tsv, args.sentences), args.max_new_tokens, args.batch_size, args.threads)
+    names = tuple(n for n in args.backends.split(",") if n)
+    sentences = read_english(args.tsv, args.sentences)
+    report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names)
     for name, r in report["backends"].items():
         print(
             f"{name}: identical ids {r['identical_ids']}/{report['sentences']}, "
