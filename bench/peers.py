@@ -5,8 +5,10 @@
   (`optimum-cli export onnx --task text2text-generation-with-past`, merged decoder with past).
 - `optimum_int8`: the same, its encoder and merged decoder quantized by Optimum's `ORTQuantizer`
   (dynamic int8, `AutoQuantizationConfig.avx512_vnni` or `.avx2` after the CPU's flags).
-- `ct2_float32`, `ct2_int8`: CTranslate2 `Translator` over `ct2-transformers-converter` output
-  (`--quantization float32` / `int8`), greedy (`beam_size=1`).
+- `ct2_float32`, `ct2_int8`: CTranslate2 `Translator` over the output of `ct2-transformers-converter`'s
+  own Marian loader (`--quantization float32` / `int8`), greedy (`beam_size=1`), run through
+  `python -m bench.peers ct2-convert`: when the model's `<pad>` (decoder start) embedding is not zero it
+  keeps that row, as transformers does, instead of the stock converter's zero start (see `ct2_convert`).
 
 Optimum needs transformers<4.58, the project needs 5.x, so Optimum and CTranslate2 live in their own
 environment, `.venv-bench` (`make bench-venv`, from requirements-bench.txt). The parent process
@@ -34,6 +36,7 @@ IN_PROJECT_ENV = ("transformers",)  # these run in the project's environment, th
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 PEER_CACHE = REPO / "exports" / "peers"
+CT2_RECIPE = "bench.peers ct2-convert v2 (learned decoder start kept)"
 
 
 # --- parent side: conversions ------------------------------------------------------------------
@@ -99,14 +102,17 @@ def prepare(source: Path, root: Path, peers: list[str], peer_python: Path, log=p
         elif peer in ("ct2_float32", "ct2_int8"):
             quant = peer.split("_")[1]
             out = root / f"ct2-{quant}"
-            cmd = [bindir / "ct2-transformers-converter", "--model", source, "--quantization", quant, "--output_dir", out]
+            cmd = [peer_python, "-m", "bench.peers", "ct2-convert", "--model", source, "--quantization", quant,
+                   "--output_dir", out]
         else:
             raise ValueError(f"unknown peer {peer!r}; expected one of: {', '.join(PEER_NAMES)}")
-        if _converted(out, stamp):
+        # Conversions made by an older recipe (the stock ct2 CLI) are redone.
+        peer_stamp = {**stamp, "recipe": CT2_RECIPE} if peer.startswith("ct2") else stamp
+        if _converted(out, peer_stamp):
             prepared[peer] = {"dir": str(out), "reused": True}
             continue
         try:
-            prepared[peer] = {"dir": str(out), "convert_s": round(_convert(cmd, out, stamp, log), 1)}
+            prepared[peer] = {"dir": str(out), "convert_s": round(_convert(cmd, out, peer_stamp, log), 1)}
         except (OSError, RuntimeError) as e:  # reported per peer; the other peers still run
             prepared[peer] = {"error": f"conversion failed: {e}"}
     return prepared
@@ -237,6 +243,9 @@ def load_peer(peer: str, model_dir: str, source: str, threads: int) -> tuple[obj
         v = _versions("ctranslate2")
         info = {"runtime": f"CTranslate2 {v.get('ctranslate2')}", "precision": compute, "files": ["model.bin"],
                 "size_bytes": _dir_bytes(Path(model_dir), "model.bin")}
+        note = Path(model_dir) / "bench-conversion.json"
+        if note.is_file():
+            info["conversion"] = json.loads(note.read_text())
         return runtime, info
     raise ValueError(f"unknown peer {peer!r}; expected one of: {', '.join(PEER_NAMES)}")
 
@@ -308,9 +317,84 @@ def quantize(argv=None) -> int:
     return 0
 
 
+def ct2_convert(argv=None) -> int:
+    """`ct2-transformers-converter --model M --quantization Q --output_dir O`, exact for trained tied-embedding Marians.
+
+    transformers starts Marian's decoder from the embedding of `decoder_start_token_id` (= `<pad>`), times
+    sqrt(d_model) with `scale_embedding`, plus position 0. CTranslate2's `MarianMTLoader` instead drops the
+    `<pad>` row from the vocabulary and every embedding/output matrix and sets `start_from_zero_embedding`:
+    exact for models converted from Marian C++ (the opus-mt family, and random fixtures, whose `<pad>` row is
+    zero) but not for a model trained in transformers with tied embeddings, where the output layer's
+    gradient makes the `<pad>` row non-zero (`assets/marian-en-zh-small`: |max| 0.10, norm 0.45). There every
+    first step differed (forced log-prob of PyTorch's first token off by 3-11 nats) and no output matched.
+
+    When that row is non-zero this keeps it: vocabulary and weights keep `<pad>` (15,123 rows), the decoder
+    starts from the `<pad>` token's embedding (`decoder_start_token: <pad>`, `start_from_zero_embedding`
+    false), and the output bias of `<pad>` is set to -1e9 so it is never generated, like transformers'
+    `bad_words_ids=[[pad]]` and the stock converter's removed row. When the row is zero the stock loader runs
+    unchanged. `bench-conversion.json` in the output says which.
+    """
+    parser = argparse.ArgumentParser(prog="python -m bench.peers ct2-convert")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--quantization", default="float32")
+    parser.add_argument("--output_dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    import torch
+    from ctranslate2.converters import TransformersConverter
+    from ctranslate2.converters import transformers as ct2t
+
+    stock = ct2t._MODEL_LOADERS["MarianConfig"]
+    note = {"loader": "ctranslate2 MarianMTLoader (stock)", "decoder_start": "zero embedding"}
+
+    class LearnedStartMarianLoader(type(stock)):
+        learned_start = False
+
+        def get_model_spec(self, model):
+            pad = model.config.pad_token_id
+            row = model.model.decoder.embed_tokens.weight[pad]
+            note["pad_row_abs_max"] = float(row.abs().max())
+            self.learned_start = bool(row.any())
+            if not self.learned_start:
+                return super().get_model_spec(model)
+            model.config.normalize_before = False
+            model.config.normalize_embedding = False
+            spec = ct2t.BartLoader.get_model_spec(self, model)  # the Marian settings, minus the <pad> row removal
+            projection = spec.decoder.projection
+            bias = torch.as_tensor(projection.bias).clone() if projection.has_bias() else torch.zeros(model.config.vocab_size)
+            bias[pad] = -1e9
+            projection.bias = bias
+            note.update(loader="ctranslate2 MarianMTLoader, <pad> row kept (bench.peers ct2-convert)",
+                        decoder_start="learned <pad> embedding, as transformers", pad_output_bias=-1e9)
+            return spec
+
+        def set_decoder(self, spec, decoder):
+            super().set_decoder(spec, decoder)
+            spec.start_from_zero_embedding = not self.learned_start
+
+        def set_config(self, config, model, tokenizer):
+            super().set_config(config, model, tokenizer)
+            if self.learned_start:
+                config.decoder_start_token = tokenizer.convert_ids_to_tokens(model.config.decoder_start_token_id)
+
+        def get_vocabulary(self, model, tokenizer):
+            if self.learned_start:
+                return ct2t.BartLoader.get_vocabulary(self, model, tokenizer)
+            return super().get_vocabulary(model, tokenizer)
+
+    ct2t._MODEL_LOADERS["MarianConfig"] = LearnedStartMarianLoader()
+    try:
+        TransformersConverter(args.model).convert(str(args.output_dir), quantization=args.quantization, force=True)
+    finally:
+        ct2t._MODEL_LOADERS["MarianConfig"] = stock
+    (args.output_dir / "bench-conversion.json").write_text(json.dumps(note))
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         raise SystemExit(worker(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "quantize":
         raise SystemExit(quantize(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "ct2-convert":
+        raise SystemExit(ct2_convert(sys.argv[2:]))
     raise SystemExit("usage: python -m bench.peers worker --peer NAME ... (driven by `python -m bench speed --peers`)")
