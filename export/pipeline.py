@@ -19,7 +19,7 @@ import onnx
 
 from backends.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_FILES, sha256_file
 
-from . import fp16, graphs, quantize, verify
+from . import fp16, graphs, quantize, rewrite, verify
 from .source import load_source
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
@@ -132,11 +132,18 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         specs = graphs.graph_specs(config)
-        steps.run("export full (single-step) graph", graphs.export_graph, model, config, specs["full"], tmp, options.opset)
+        rewrites = {}
+
+        def full():
+            path = graphs.export_graph(model, config, specs["full"], tmp, options.opset)
+            rewrites["full"] = rewrite.rewrite_file(path)
+
+        steps.run("export full (single-step) graph", full)
 
         def kv_pair():
             graphs.export_graph(model, config, specs["encoder"], tmp, options.opset)
-            graphs.export_graph(model, config, specs["decoder"], tmp, options.opset)
+            path = graphs.export_graph(model, config, specs["decoder"], tmp, options.opset)
+            rewrites["decoder"] = rewrite.rewrite_file(path)
 
         steps.run("export KV-cache encoder + decoder graphs", kv_pair)
 
@@ -149,9 +156,9 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         fp16_report = steps.run("convert KV-cache pair to fp16", to_fp16)
 
         def to_int8():
-            for name in ("encoder", "decoder"):
-                report = quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")
-            return report
+            reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")
+                       for name in ("encoder", "decoder")}
+            return {**reports["decoder"], "gathers": {name: r["gathers"] for name, r in reports.items()}}
 
         int8_report = steps.run("quantize KV-cache pair to int8 (dynamic)", to_int8)
         graph_entries = {
@@ -193,6 +200,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
             "first_step": FIRST_STEP,
             "graphs": graph_entries,
+            # Tied output layer stored once, pre-transposed: see export/rewrite.py.
+            "rewrites": rewrites,
             "fp16": {
                 **fp16_report["decoder"],
                 "why_fp32_io": "cache and logits cross the session boundary in fp32 so every backend "

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# MatMul only: embeddings (Gather) stay fp32 so the tied output layer and the token embedding are
-# not quantized twice with different scales; the output layer MatMul itself is quantized.
+import onnx
+
+from . import rewrite
+
+# ORT quantizes the MatMuls (the tied output layer too, once export/rewrite.py made its weight an
+# initializer); its Gather quantization is per tensor and would re-quantize the shared table, so
+# embeddings are switched to the MatMul's per-channel int8 numbers by rewrite.quantize_gathers.
 OPS_TO_QUANTIZE = ["MatMul"]
 
 
@@ -26,10 +31,16 @@ def quantize_int8(src: Path, dst: Path) -> dict:
         weight_type=QuantType.QInt8,
         extra_options={"MatMulConstBOnly": True},  # activations x activations (attention) stay fp32
     )
+    model = onnx.load(str(dst))
+    gathers = rewrite.quantize_gathers(model)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(dst))
     return {
         "quantizer": "onnxruntime.quantization.quantize_dynamic",
         "weight_type": "int8, per output channel",
         "activations": "uint8, quantized dynamically per call",
         "ops_quantized": OPS_TO_QUANTIZE,
-        "kept_fp32": "attention score/value MatMuls (both inputs are activations), embeddings, LayerNorm, Softmax",
+        "embeddings": "int8, one scale per token; tied with the output layer's int8 weight where it has one",
+        "gathers": gathers["gathers"],
+        "kept_fp32": "attention score/value MatMuls (both inputs are activations), LayerNorm, Softmax",
     }

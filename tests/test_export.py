@@ -98,6 +98,70 @@ def test_int8_graphs_hold_quantized_matmuls(tiny_export_dir):
     assert manifest.data["files"]["decoder_int8.onnx"]["bytes"] < fp32_bytes
 
 
+def _float_tables_read_by(graph: onnx.GraphProto, op_type: str) -> list[str]:
+    inits = {i.name: i for i in graph.initializer}
+    return [n.input[i] for n in graph.node if n.op_type == op_type for i in range(len(n.input))
+            if n.input[i] in inits and len(inits[n.input[i]].dims) == 2
+            and inits[n.input[i]].data_type == onnx.TensorProto.FLOAT]
+
+
+def test_tied_output_layer_is_stored_once_pre_transposed(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    vocab, d = manifest.data["model"]["vocab_size"], manifest.data["model"]["d_model"]
+    for name in ("full", "decoder"):
+        graph = onnx.load(str(manifest.graph_path(name))).graph
+        inits = {i.name: i for i in graph.initializer}
+        tables = [i for i in inits.values() if vocab in i.dims]
+        assert [list(t.dims) for t in tables] == [[d, vocab]], name  # one copy, (d, V)
+        transposed = [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+        assert transposed == [], name  # nothing left for ORT to fold into a second copy
+        assert manifest.data["rewrites"][name]["weights"], name
+
+
+def test_int8_graphs_read_int8_embeddings_and_output_layer(tiny_export_dir):
+    manifest = load_manifest(tiny_export_dir)
+    vocab = manifest.data["model"]["vocab_size"]
+    for name in ("encoder_int8", "decoder_int8"):
+        graph = onnx.load(str(manifest.graph_path(name))).graph
+        assert _float_tables_read_by(graph, "Gather") == [], name
+        tables = [i for i in graph.initializer if vocab in i.dims and len(i.dims) == 2]
+        assert [t.data_type for t in tables] == [onnx.TensorProto.INT8], name
+    decoder = onnx.load(str(manifest.graph_path("decoder_int8"))).graph
+    table = next(i.name for i in decoder.initializer if vocab in i.dims and len(i.dims) == 2)
+    readers = {n.op_type for n in decoder.node if table in n.input}
+    assert readers == {"Gather", "MatMulInteger"}  # the embedding and the output layer share it
+
+
+def test_rewrites_keep_every_output_bit_identical(tmp_path):
+    """A tied table read by a Gather and a MatMul(Transpose): same numbers after the rewrite."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.rewrite import pre_transpose_tied_embedding
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((50, 8)).astype(np.float32)  # (V, d)
+    nodes = [
+        helper.make_node("Gather", ["w", "ids"], ["emb"], axis=0),  # (b, t, d)
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["emb", "wt"], ["logits"]),  # (b, t, V)
+    ]
+    graph = helper.make_graph(
+        nodes, "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "t"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", 50])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    ids = rng.integers(0, 50, (3, 4))
+    before = ort.InferenceSession(model.SerializeToString()).run(None, {"ids": ids})[0]
+    report = pre_transpose_tied_embedding(model)
+    onnx.checker.check_model(model)
+    after = ort.InferenceSession(model.SerializeToString()).run(None, {"ids": ids})[0]
+    assert report["weights"][0]["gathers"] and report["weights"][0]["matmuls"]
+    assert np.array_equal(before, after)
+    assert np.allclose(after, w[ids] @ w.T, atol=1e-5)
+
+
 def test_existing_output_needs_force(tiny_model_dir, tiny_export_dir, capsys):
     code = export_main([str(tiny_model_dir), "--out", str(tiny_export_dir), "--no-verify"])
     assert code == 2
