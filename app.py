@@ -7,6 +7,7 @@ The first start exports the model to exports/<name>; later starts reuse that exp
 sidecar's checksums match. GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (default 7860) are honoured.
 
 This file lays out, wires and renders; running, aligning and measuring live in backends/compare.py.
+The Benchmark and Batch spot-check tabs are built by ui/ (their measuring is bench/'s).
 The named API endpoint `compare` returns the JSON the page renders (see docs/app.md).
 """
 
@@ -27,7 +28,8 @@ from typing import Any
 import gradio as gr
 
 from backends import BACKEND_NAMES, REFERENCE, InputError
-from backends.compare import MAX_REPEAT, check_text, compare_iter, to_json
+from backends.compare import MAX_REPEAT, RequestLimits, compare_iter, plan, segments_json, to_json
+from ui import benchmark_tab, spotcheck_tab
 
 logger = logging.getLogger("app")
 
@@ -78,6 +80,12 @@ CSS = """
 .state-ok { color: #2ca02c; font-weight: 600; }
 .state-err { color: #d62728; font-weight: 600; white-space: pre-wrap; }
 .state-wait { color: var(--body-text-color-subdued); }
+.state-warn { color: #b35900; font-weight: 600; }
+table.segments { border-collapse: collapse; font-size: 0.88em; width: 100%; }
+table.segments th, table.segments td { border: 1px solid var(--border-color-primary); padding: 2px 6px;
+                                       vertical-align: top; text-align: left; }
+table.segments td.num { color: var(--body-text-color-subdued); text-align: right; }
+.chunk { font-size: 0.8em; padding: 0 4px; border-radius: 3px; background: #ffd9a8; color: #000; }
 .div-row { margin: 6px 0 12px 0; }
 .div-head { font-weight: 600; margin-bottom: 3px; }
 .tokgrid { display: flex; flex-wrap: wrap; gap: 3px; }
@@ -106,6 +114,8 @@ class Loaded:
     export_note: str = ""
     max_new_tokens: int | None = None
     examples: list[str] = field(default_factory=list)
+    results_dir: Path = REPO / "bench-results"  # the Benchmark tab's reports: read, and quick runs saved
+    limits: RequestLimits = RequestLimits()  # characters, segments and seconds per backend of one request
 
     @property
     def names(self) -> list[str]:
@@ -161,12 +171,12 @@ def panel_html(name: str, result: dict | None, state: str, info: dict | None) ->
     elif div and div["identical"]:
         verdict = "<span class='state-ok'>identical to PyTorch</span>"
     elif div:
-        verdict = f"<span class='state-err'>diverges from PyTorch at step {div['first']['step']}</span>"
+        where = f" in segment {div['segment'] + 1}" if div.get("segments", 1) > 1 else ""
+        verdict = f"<span class='state-err'>diverges from PyTorch{where} at step {div['first']['step']}</span>"
     else:
         verdict = ""
-    n_tok = len(result["token_ids"])
-    capped = result.get("stop_reason") == "max_new_tokens"
-    verdict += f" · {n_tok} tokens" + (" (hit the length cap)" if capped else "")
+    n_seg = len(result.get("segments") or [])
+    verdict += f" · {len(result['token_ids'])} tokens" + (f" in {n_seg} segments" if n_seg > 1 else "")
     if runs.get("n", 1) > 1:
         verdict += f" · median of {runs['n'] - 1} warm runs (run 1, cold: {_ms(runs['cold_ms'])} ms)"
     keys = [
@@ -175,9 +185,8 @@ def panel_html(name: str, result: dict | None, state: str, info: dict | None) ->
     ]  # fmt: skip
     head = "".join(f"<th>{label}</th>" for _, label in keys)
     cells = "".join(f"<td class='num'>{_ms(t.get(k))}</td>" for k, _ in keys)
-    warn = ""
-    if result.get("non_finite_steps"):
-        warn = f"<div class='state-err'>non-finite logits at steps {result['non_finite_steps']}</div>"
+    # Degenerate output (a repeated token, no eos before the cap) is shown, not hidden in the JSON.
+    warn = "".join(f"<div class='state-warn'>⚠ {_e(w)}</div>" for w in result.get("warnings") or [])
     return (
         f"<div class='stats'><div>{verdict}</div>{warn}"
         f"<table><tr>{head}<th></th></tr><tr>{cells}<td>ms</td></tr></table>{foot}</div>"
@@ -250,11 +259,23 @@ def divergence_html(out: dict) -> str:
             )
         else:
             forced = ""
-        if d["identical"]:
+        n_seg = d.get("segments", 1)
+        if d["identical"] and n_seg > 1:
+            summary = (
+                f"<span class='state-ok'>identical</span> in all {n_seg} segments · segment 1 shown, "
+                f"{d['matching']}/{d['reference_length']} tokens match"
+            )
+        elif d["identical"]:
             summary = f"<span class='state-ok'>identical</span> · {d['matching']}/{d['reference_length']} tokens match"
         else:
+            # Several segments: the first one that differs is the one detailed below.
+            where = (
+                f" in segment {d['segment'] + 1} of {n_seg} ({d['segments_identical']} identical)"
+                if n_seg > 1
+                else ""
+            )
             summary = (
-                f"<span class='state-err'>diverges at step {first_step}</span> · {d['matching']} of "
+                f"<span class='state-err'>diverges{where} at step {first_step}</span> · {d['matching']} of "
                 f"{len(d['alignment'])} aligned tokens match ({d['agreement']:.0%})"
             )
         first = _first_table(d["first"]) if d["first"] else ""
@@ -263,6 +284,53 @@ def divergence_html(out: dict) -> str:
             f"<div class='panel-info'>{forced}</div><div class='tokgrid'>{''.join(cols)}</div>{first}</div>"
         )
     return "".join(blocks)
+
+
+def _segment_text(seg: dict) -> str:
+    if seg["non_finite_steps"]:
+        return f"<span class='state-err'>non-finite logits (NaN/Inf) at step {seg['non_finite_steps'][0]}</span>"
+    return _e(seg["text"] or "–")
+
+
+SEGMENTS_OPEN = 12  # a longer split starts folded: the panels above already hold the joined text
+
+
+def segments_html(out: dict) -> str:
+    """How the input was split, and each segment's output: PyTorch's, and any backend that differs."""
+    segs = out.get("segments") or []
+    if len(segs) < 2:
+        return ""
+    chunked = sum(s["chunked"] for s in segs)
+    note = f", {chunked} of them pieces of a sentence over the model's source limit" if chunked else ""
+    ref = out["backends"].get(REFERENCE) or {}
+    others = [(n, b) for n, b in out["backends"].items() if n != REFERENCE and b.get("segments")]
+    rows = []
+    for i, seg in enumerate(segs):
+        source = _e(seg["text"]) + (" <span class='chunk'>chunk</span>" if seg["chunked"] else "")
+        ref_out = _segment_text(ref["segments"][i]) if ref.get("segments") else "–"
+        # Not identical, or not compared (no reference): the backend's own output is listed.
+        differ = [
+            f"<b>{_e(LABELS.get(n, n))}</b>: {_segment_text(b['segments'][i])}"
+            for n, b in others
+            if not ((b["segments"][i].get("divergence") or {}).get("identical", False))
+        ]
+        if not others:
+            verdict = "<span class='state-wait'>–</span>"
+        elif differ:
+            verdict = "<br>".join(differ)
+        else:
+            verdict = "<span class='state-ok'>identical</span>"
+        rows.append(
+            f"<tr><td class='num'>{i + 1}</td><td>{source}</td><td>{ref_out}</td><td>{verdict}</td></tr>"
+        )
+    opened = " open" if len(segs) <= SEGMENTS_OPEN else ""
+    return (
+        f"<details{opened}><summary><b>Input split into {len(segs)} segments</b>{note}; every backend translated "
+        "them as a batch and joined the outputs in order.</summary>"
+        "<table class='segments'><tr><th>#</th><th>source</th><th>PyTorch</th><th>ORT backends vs PyTorch</th></tr>"
+        + "".join(rows)
+        + "</table></details>"
+    )
 
 
 def _short_provider(provider: str) -> str:
@@ -353,16 +421,21 @@ def forced_figure(out: dict):
         return None
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax_d, ax_r, ax_p = fig.subplots(3, 1, sharex=True)
-    ref_prob = None
+    ref_prob, ref_seg = None, ""
     for n, tf in series.items():
         steps = list(range(len(tf["max_abs_dlogit"])))
-        kw = dict(color=COLORS.get(n), label=LABELS.get(n, n), lw=1.3, marker=".", ms=4)
+        # With several segments each backend is forced on its own first diverging one: say which.
+        d = out["backends"][n]["divergence"]
+        seg = f" · segment {d['segment'] + 1}" if d.get("segments", 1) > 1 else ""
+        kw = dict(color=COLORS.get(n), label=LABELS.get(n, n) + seg, lw=1.3, marker=".", ms=4)
         ax_d.plot(steps, [max(x, 1e-12) for x in tf["max_abs_dlogit"]], **kw)
         ax_r.plot(steps, tf["ref_token_rank"], **kw)
         ax_p.plot(steps, [p if p is not None else 0.0 for p in tf["ref_token_prob"]], **kw)
-        ref_prob = tf["ref_token_prob_reference"]
+        ref_prob, ref_seg = tf["ref_token_prob_reference"], seg
     if ref_prob:
-        ax_p.plot(range(len(ref_prob)), [p or 0.0 for p in ref_prob], color="black", ls="--", lw=1, label="PyTorch")
+        ax_p.plot(
+            range(len(ref_prob)), [p or 0.0 for p in ref_prob], color="black", ls="--", lw=1, label="PyTorch" + ref_seg
+        )
     ax_d.set_yscale("log")
     ax_d.set_ylabel("max |Δlogit|", fontsize=8)
     ax_r.set_ylabel("rank of\nPyTorch token", fontsize=8)
@@ -395,7 +468,7 @@ def read_examples(path: Path) -> list[str]:
 
 def build_app(loaded: Loaded) -> gr.Blocks:
     names = loaded.names
-    opts = dict(max_new_tokens=loaded.max_new_tokens, load_errors=loaded.load_errors)
+    opts = dict(max_new_tokens=loaded.max_new_tokens, load_errors=loaded.load_errors, limits=loaded.limits)
 
     def initial_panels() -> list[str]:
         out = []
@@ -408,81 +481,92 @@ def build_app(loaded: Loaded) -> gr.Blocks:
 
     with gr.Blocks(title="MarianMT en→zh: PyTorch vs ONNX Runtime") as demo:
         ok = len(loaded.backends)
+        failed = ", ".join(LABELS.get(n, n) for n in loaded.load_errors)
+        failed = f" (could not load: {_e(failed)}; see their panels)" if failed else ""
         gr.Markdown(
             f"## MarianMT en→zh · PyTorch vs ONNX Runtime, side by side\n"
             f"Model **{_e(loaded.model)}** · export `{_e(loaded.export_dir)}` ({_e(loaded.export_note)}) · "
-            f"{ok}/{len(names)} backends loaded. Each backend runs alone, one after the other; results "
-            "appear as each finishes. Divergence and drift are measured against PyTorch."
+            f"{ok}/{len(names)} backends loaded{failed}. Each backend runs alone, one after the other; results "
+            "appear as each finishes. Divergence and drift are measured against PyTorch.",
+            elem_id="header",
         )
-        with gr.Row(equal_height=False):
-            text = gr.Textbox(
-                label="English text",
-                placeholder="Type an English sentence and press Enter",
-                lines=1,  # one line submits on Enter; the box still grows up to max_lines as text wraps
-                max_lines=8,
-                scale=5,
-                elem_id="input-text",
-                autofocus=True,
-            )
-            with gr.Column(scale=1, min_width=240):
-                go = gr.Button("Translate", variant="primary", elem_id="translate-btn")
-                repeat = gr.Slider(1, MAX_REPEAT, value=1, step=1, label="runs per backend", elem_id="repeat")
-        with gr.Row():
-            if loaded.examples:
-                gr.Examples(
-                    [[s] for s in loaded.examples],
-                    inputs=[text],
-                    label="Examples (assets/examples.tsv)",
-                    examples_per_page=6,
-                )
-            gr.Examples(
-                [[t] for _, t in BOUNDARY_EXAMPLES],
-                inputs=[text],
-                label="Boundary inputs",
-                example_labels=[label for label, _ in BOUNDARY_EXAMPLES],
-            )
-        status = gr.Markdown("", elem_id="status")
-
-        outs_text, outs_stats = {}, {}
-        panels0 = initial_panels()
-        per_row = 2 if len(names) <= 4 else 3
-        for row_names in [names[i : i + per_row] for i in range(0, len(names), per_row)]:
-            with gr.Row(equal_height=True):
-                for n in row_names:
-                    with gr.Column(elem_id=f"panel-{n}", variant="panel"):
-                        outs_text[n] = gr.Textbox(
-                            label=LABELS.get(n, n), lines=2, interactive=False, buttons=["copy"], elem_id=f"out-{n}"
+        with gr.Tabs():
+            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+                with gr.Row(equal_height=False):
+                    text = gr.Textbox(
+                        label="English text",
+                        placeholder="Type an English sentence and press Enter",
+                        lines=1,  # one line submits on Enter; the box still grows up to max_lines as text wraps
+                        max_lines=8,
+                        scale=5,
+                        elem_id="input-text",
+                        autofocus=True,
+                    )
+                    with gr.Column(scale=1, min_width=240):
+                        go = gr.Button("Translate", variant="primary", elem_id="translate-btn")
+                        repeat = gr.Slider(1, MAX_REPEAT, value=1, step=1, label="runs per backend", elem_id="repeat")
+                with gr.Row():
+                    if loaded.examples:
+                        gr.Examples(
+                            [[s] for s in loaded.examples],
+                            inputs=[text],
+                            label="Examples (assets/examples.tsv)",
+                            examples_per_page=6,
                         )
-                        outs_stats[n] = gr.HTML(panels0[names.index(n)], elem_id=f"stats-{n}")
-        gr.Markdown("### Per-token divergence from PyTorch")
-        div_html = gr.HTML("<div class='state-wait'>Translate something to compare tokens.</div>", elem_id="divergence")
-        gr.Markdown(
-            "#### Teacher-forced drift\nEvery ORT backend is fed PyTorch's own output tokens; per step: the largest "
-            "logit difference from PyTorch, and the rank and probability it gives PyTorch's token. Drift shows here "
-            "even when the translations agree."
-        )
-        forced_plot = gr.Plot(show_label=False, elem_id="forced-plot", format="png")
-        gr.Markdown("### Latency")
-        lat_table = gr.Dataframe(
-            headers=LATENCY_HEADERS,
-            interactive=False,
-            elem_id="latency-table",
-            wrap=True,
-            label="milliseconds; with N > 1 runs per backend: median of the warm runs 2..N",
-            column_widths=["17%", "9%", "7%", "8%", "7%", "8%", "8%", "8%", "10%", "10%", "8%"],
-        )
-        lat_plot = gr.Plot(show_label=False, elem_id="latency-plot", format="png")
-        with gr.Accordion("Raw result (the `compare` API's JSON)", open=False):
-            raw = gr.JSON(elem_id="raw-json")
+                    gr.Examples(
+                        [[t] for _, t in BOUNDARY_EXAMPLES],
+                        inputs=[text],
+                        label="Boundary inputs",
+                        example_labels=[label for label, _ in BOUNDARY_EXAMPLES],
+                    )
+                status = gr.Markdown("", elem_id="status")
+
+                outs_text, outs_stats = {}, {}
+                panels0 = initial_panels()
+                per_row = 2 if len(names) <= 4 else 3
+                for row_names in [names[i : i + per_row] for i in range(0, len(names), per_row)]:
+                    with gr.Row(equal_height=True):
+                        for n in row_names:
+                            with gr.Column(elem_id=f"panel-{n}", variant="panel"):
+                                outs_text[n] = gr.Textbox(
+                                    label=LABELS.get(n, n), lines=2, interactive=False, buttons=["copy"],
+                                    elem_id=f"out-{n}",
+                                )
+                                outs_stats[n] = gr.HTML(panels0[names.index(n)], elem_id=f"stats-{n}")
+                seg_html = gr.HTML("", elem_id="segments")  # the split of a multi-sentence input
+                gr.Markdown("### Per-token divergence from PyTorch")
+                div_html = gr.HTML(
+                    "<div class='state-wait'>Translate something to compare tokens.</div>", elem_id="divergence"
+                )
+                gr.Markdown(
+                    "#### Teacher-forced drift\nEvery ORT backend is fed PyTorch's own output tokens; per step: the "
+                    "largest logit difference from PyTorch, and the rank and probability it gives PyTorch's token. "
+                    "Drift shows here even when the translations agree."
+                )
+                forced_plot = gr.Plot(show_label=False, elem_id="forced-plot", format="png")
+                gr.Markdown("### Latency")
+                lat_table = gr.Dataframe(
+                    headers=LATENCY_HEADERS,
+                    interactive=False,
+                    elem_id="latency-table",
+                    wrap=True,
+                    label="milliseconds; with N > 1 runs per backend: median of the warm runs 2..N",
+                    column_widths=["17%", "9%", "7%", "8%", "7%", "8%", "8%", "8%", "10%", "10%", "8%"],
+                )
+                lat_plot = gr.Plot(show_label=False, elem_id="latency-plot", format="png")
+                with gr.Accordion("Raw result (the `compare` API's JSON)", open=False):
+                    raw = gr.JSON(elem_id="raw-json")
+            benchmark_tab.build(loaded)
+            spotcheck_tab.build(loaded)
 
         outputs = [
-            status, *[outs_text[n] for n in names], *[outs_stats[n] for n in names],
+            status, *[outs_text[n] for n in names], *[outs_stats[n] for n in names], seg_html,
             div_html, forced_plot, lat_table, lat_plot, raw,
         ]  # fmt: skip
 
-        def frame(msg: str, results: dict, running: str | None):
+        def frame(msg: str, results: dict, running: str | None, segments: list[dict]):
             """Every output's value for the results so far; `running` is the backend now busy."""
-            out = {"reference": REFERENCE, "backends": results}
+            out = {"reference": REFERENCE, "segments": segments, "backends": results}
             texts = [(results[n]["text"] or "") if n in results else "" for n in names]
             stats = []
             for n in names:
@@ -498,6 +582,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                 msg,
                 *texts,
                 *stats,
+                segments_html(out),
                 divergence_html(out) if compared else "<div class='state-wait'>waiting for the ORT backends…</div>",
                 forced_figure(out) if compared else None,
                 latency_rows(out) if results else None,
@@ -507,28 +592,33 @@ def build_app(loaded: Loaded) -> gr.Blocks:
 
         def translate_ui(text_in: str, n_repeat: float):
             try:
-                check_text(text_in)  # an empty input never reaches a model
+                # Empty or too long an input is refused here, before any model call; the split is
+                # shown from the first frame on.
+                segments = segments_json(plan(loaded.backends, text_in, loaded.limits))
+                split = f"Split into {len(segments)} segments. " if len(segments) > 1 else ""
                 results: dict[str, dict] = {}
                 order = [n for n in names if n not in loaded.load_errors]
                 first = order[0] if order else None
-                yield frame(f"Running {LABELS.get(first, first)}…" if first else "", results, first)
+                msg = f"{split}Running {LABELS.get(first, first)}…" if first else split
+                yield frame(msg, results, first, segments)
                 for r in compare_iter(loaded.backends, text_in, repeat=int(n_repeat), **opts):
                     results[r.name] = r.to_json()
                     nxt = next((n for n in order if n not in results), None)
-                    yield frame(f"{len(results)}/{len(names)} done; running {LABELS.get(nxt, nxt)}…", results, nxt)
+                    msg = f"{split}{len(results)}/{len(names)} done; running {LABELS.get(nxt, nxt)}…"
+                    yield frame(msg, results, nxt, segments)
             except InputError as e:
-                yield (f"⚠️ **{e}**", *[""] * len(names), *initial_panels(), "", None, None, None, None)
+                yield (f"⚠️ **{e}**", *[""] * len(names), *initial_panels(), "", "", None, None, None, None)
                 return
             n_ok = sum(1 for b in results.values() if not b.get("error"))
             runs = f", {int(n_repeat)} runs each" if n_repeat > 1 else ""
-            yield frame(f"Done: {n_ok}/{len(names)} backends translated{runs}.", results, None)
+            yield frame(f"{split}Done: {n_ok}/{len(names)} backends translated{runs}.", results, None, segments)
 
         def compare_api(text: str, repeat: int = 1) -> Iterator[dict]:
             """Translate `text` with every backend, one at a time; returns translations, tokens,
-            timings and divergence from PyTorch as {"reference", "backends": {name: {...}}}.
+            timings and divergence from PyTorch as {"reference", "segments", "backends": {name: {...}}}.
+            Text of several sentences is split into segments, translated as a batch and joined.
             Streams: one update per finished backend, the last one complete."""
             try:
-                check_text(text)
                 results = []
                 for r in compare_iter(loaded.backends, text, repeat=repeat, **opts):
                     results.append(r)
@@ -592,7 +682,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="threads per backend (default: physical cores)")
     parser.add_argument("--examples", type=Path, default=EXAMPLES_TSV, help="TSV with an 'en' column of example inputs")
     parser.add_argument("--queue-size", type=int, default=QUEUE_SIZE, help="waiting requests before 'busy, try again'")
+    limits = RequestLimits()
+    parser.add_argument("--max-chars", type=int, default=limits.max_chars, help="longest text one request takes")
+    parser.add_argument(
+        "--max-segments", type=int, default=limits.max_segments, help="most sentences (or chunks) one request takes"
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=limits.max_seconds, help="time one backend may take on one request"
+    )
     args = parser.parse_args(argv)
+    try:
+        limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds)
+    except ValueError as e:
+        parser.error(str(e))
     # Our loggers at INFO; third-party ones (httpx, the quantizer's root logging) at WARNING.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for name in ("app", "backends", "export"):
@@ -609,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, err in errors.items():
         logger.warning("backend %s failed to load (shown in its panel): %s", name, err)
-    loaded = Loaded(backends, errors, args.model, export_dir, note, args.max_new_tokens, examples)
+    loaded = Loaded(backends, errors, args.model, export_dir, note, args.max_new_tokens, examples, limits=limits)
     demo = build_app(loaded)
     demo.queue(max_size=args.queue_size, default_concurrency_limit=1)
     demo.launch(

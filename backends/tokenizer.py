@@ -59,7 +59,8 @@ class MarianTokenizerWrapper:
         return EncodedBatch(input_ids, attention_mask, [len(r) for r in rows])
 
     def count_tokens(self, text: str) -> int:
-        return len(self._tok(text).input_ids)
+        # Counting text over the limit is the point (to split it): no "longer than the maximum" warning.
+        return len(self._tok(text, verbose=False).input_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -18,7 +18,12 @@ from .data import Pair, default_backends, environment
 from .protocol import percentiles
 
 REFERENCE = "pytorch"
-SPOT_CHECK_LIMIT = 200
+SPOT_CHECK_LIMIT = 200  # sentences; every backend at batch 1 takes about a minute for 200 on 2 cores
+SPOT_CHECK_TIMED = (
+    "Wall-clock time of one translate call per sentence at batch 1 (time.perf_counter): tokenization, "
+    "encoder, every decoder step and detokenization, with the per-step top-1 score the app keeps. One "
+    "untimed warm-up call per backend first. All backends share one process (the app's), one after the other."
+)
 
 
 def translate_all(backend, sentences: list[str], batch_size: int, max_new_tokens: int | None) -> tuple[list, float]:
@@ -102,12 +107,15 @@ def run(export_dir: Path, pairs: list[Pair], names: list[str] | None = None, thr
 
 
 def spot_check(backends: dict, sentences: list[str], references: list[str] | None = None,
-               max_new_tokens: int | None = 256, progress=None) -> dict:
+               max_new_tokens: int | None = 256, progress=None, not_run: dict[str, str] | None = None) -> dict:
     """For the app's Batch spot-check tab: each sentence through each loaded backend at batch 1.
 
     Returns, per backend: agreement with PyTorch (or the first backend when PyTorch is not loaded),
     BLEU/chrF against `references` when given (one per sentence), batch-1 latency percentiles (wall
     time of each translate call, no warm-up beyond one call per backend) and the translations.
+    Every input is checked before any sentence is translated: the count, empty sentences, and each
+    sentence's length against the model's source limit (all too-long ones named at once).
+    `max_new_tokens` None: the model's own limit. `not_run` names backends that could not take part.
     """
     sentences = [s.strip() for s in sentences]
     if not sentences or not all(sentences):
@@ -116,13 +124,27 @@ def spot_check(backends: dict, sentences: list[str], references: list[str] | Non
         raise ValueError(f"at most {SPOT_CHECK_LIMIT} sentences per spot-check, got {len(sentences)}")
     if references is not None and len(references) != len(sentences):
         raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
+    if references is not None and not all(r and r.strip() for r in references):
+        missing = [i + 1 for i, r in enumerate(references) if not (r and r.strip())]
+        raise ValueError(f"sentence(s) {_numbers(missing)} have no reference; give one for every sentence, or none")
     if not backends:
         raise ValueError("no backend loaded")
+    first = next(iter(backends.values()))
+    limit = first.manifest.max_source_tokens
+    too_long = [(i + 1, n) for i, s in enumerate(sentences) if (n := first.tokenizer.count_tokens(s)) > limit]
+    if too_long:
+        listed = ", ".join(f"{i} ({n} tokens)" for i, n in too_long[:10])
+        more = f" and {len(too_long) - 10} more" if len(too_long) > 10 else ""
+        raise ValueError(f"the model reads at most {limit} source tokens; too long: sentence {listed}{more}. "
+                         "Split them into shorter sentences")
     reference = REFERENCE if REFERENCE in backends else next(iter(backends))
     outputs, latency = {}, {}
     total = len(backends) * len(sentences)
     done = 0
+    env = environment(first.info.get("threads") or 1)  # load average at the start
     for name, backend in backends.items():
+        if progress is not None:
+            progress(done / total, f"{name}: warm-up")
         backend.translate([sentences[0]], max_new_tokens=max_new_tokens, top_k=1)  # warm-up
         outs, times = [], []
         for s in sentences:
@@ -131,14 +153,22 @@ def spot_check(backends: dict, sentences: list[str], references: list[str] | Non
             times.append((time.perf_counter() - start) * 1e3)
             outs.append(t)
             done += 1
-            if progress:
+            if progress is not None:
                 progress(done / total, f"{name}: {len(outs)}/{len(sentences)}")
         outputs[name], latency[name] = outs, percentiles(times)
+    env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     per_backend = compare(outputs, sentences, references or [None] * len(sentences), reference)
     for name, entry in per_backend.items():
         entry["latency_ms"] = latency[name]
         entry["translations"] = [t.text for t in outputs[name]]
+        entry["hit_max_new_tokens"] = sum(t.stop_reason == "max_new_tokens" for t in outputs[name])
         entry["info"] = dict(backends[name].info)
     return {"kind": "spot_check", "reference": reference, "sentences": sentences, "references": references,
-            "environment": environment(next(iter(backends.values())).info.get("threads") or 1),
-            "backends": per_backend}
+            "model": {"export": str(first.manifest.root), "source": first.manifest.data["source_model"]},
+            "max_new_tokens": max_new_tokens or first.manifest.max_new_tokens,
+            "what_is_timed": SPOT_CHECK_TIMED, "environment": env, "backends": per_backend,
+            "not_run": dict(not_run or {})}
+
+
+def _numbers(items: list[int], shown: int = 10) -> str:
+    return ", ".join(map(str, items[:shown])) + (f" and {len(items) - shown} more" if len(items) > shown else "")

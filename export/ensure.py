@@ -40,9 +40,20 @@ def reusable(src: str, out: Path) -> tuple[bool, str]:
     return True, f"reusing {out}: checksums match"
 
 
+def leftover_partials(out: Path) -> list[Path]:
+    """Temp folders of exports to `out` that never finished (the process was killed before it
+    could clean up). Never read: an export only counts once renamed to `out`. Not deleted here
+    either, since another process may be exporting into one right now."""
+    return sorted(Path(out).parent.glob(f".{Path(out).name}.partial-*"))
+
+
 def ensure_export(src: str, out: Path, log=print, **options) -> Path:
     ok, why = reusable(src, Path(out))
     log(why if ok else f"exporting {src} to {out} ({why})")
+    leftovers = leftover_partials(Path(out))
+    if leftovers:
+        names = ", ".join(p.name for p in leftovers)
+        log(f"ignoring {len(leftovers)} unfinished export folder(s) left by an interrupted export: {names}")
     if ok:
         return Path(out)
     return export(src, ExportOptions(out=Path(out), force=True, **options), log=log)

@@ -2,7 +2,7 @@
 
 Loads the page, types a sentence, presses Translate, waits for every backend's translation, checks
 that the divergence view and the latency table and chart are rendered, and saves a screenshot to
-test-artifacts/app.png. `.ci/run` installs chromium and fonts-noto-cjk.
+test-artifacts/app.png; a two-sentence input shows its split (test-artifacts/app-segments.png). `.ci/run` installs chromium and fonts-noto-cjk.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from app import LABELS
+from backends.segment import join_translations
 from test_app import BACKENDS, SENTENCE, app_model, app_url  # noqa: F401  (fixtures)
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -87,6 +88,27 @@ def test_enter_on_empty_input_shows_a_clear_message(page):
     )
     assert "the input is empty: type an English sentence to translate" in _status(page)
     assert page.locator("#out-pytorch textarea").input_value() == ""
+
+
+def test_two_sentences_show_their_split(page, artifacts_dir):
+    """A two-sentence input is translated as two segments, listed with each one's output."""
+    first, second = "Click OK.", "Then save the file."
+    page.locator("#input-text textarea").fill(f"{first} {second}")
+    page.locator("#translate-btn").click()
+    page.wait_for_function(
+        "() => /Split into 2 segments\\. Done:/.test(document.querySelector('#status')?.innerText || '')",
+        timeout=TIMEOUT_MS,
+    )
+    split = page.locator("#segments")
+    assert "Input split into 2 segments" in split.inner_text()
+    rows = page.locator("#segments table.segments tr").all()
+    assert len(rows) == 3  # header + one row per segment
+    cells = [[c.inner_text() for c in row.locator("td").all()] for row in rows[1:]]
+    assert [c[:2] for c in cells] == [["1", first], ["2", second]]
+    # the PyTorch panel shows the two segment outputs joined, in order
+    joined = page.locator("#out-pytorch textarea").input_value()
+    assert cells[0][2] and cells[1][2] and joined == join_translations([cells[0][2], cells[1][2]])
+    split.screenshot(path=str(artifacts_dir / "app-segments.png"))
 
 
 STREAM_SNAPSHOT = """() => {

@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 from backends import BACKEND_NAMES, Backend, InputError
-from backends.compare import align, check_repeat, compare, compare_iter, first_divergence, summarize_runs
+from backends.compare import (
+    align,
+    batches,
+    check_repeat,
+    compare,
+    compare_iter,
+    first_divergence,
+    summarize_runs,
+    to_json,
+)
+from conftest import dev_sentences
 
 SENTENCE = "Click outside the spreadsheet to view the slide."
 MAX_NEW = 12  # the tiny random model rarely emits eos: cap it so each run stays short
@@ -241,9 +251,90 @@ def test_empty_input_is_rejected_before_any_model_call(tiny_backends, text):
     assert engine.calls == 0
 
 
-def test_too_long_input_raises_input_error(tiny_backends):
-    with pytest.raises(InputError, match="at most 512"):
-        compare(tiny_backends, "word " * 2000, max_new_tokens=2)
+def test_text_over_the_position_limit_is_split_not_refused(tiny_backends):
+    """2,000 words (several times the 512 positions): split, every word translated, nothing cut."""
+    text = "word " * 2000
+    out = compare(tiny_backends, text, max_new_tokens=2)
+    segs = out["segments"]
+    tok = tiny_backends["pytorch"].tokenizer
+    assert len(segs) > 1 and all(s["chunked"] for s in segs)
+    assert all(tok.count_tokens(s["text"]) <= 512 for s in segs)
+    assert sum(s["text"].count("word") for s in segs) == 2000
+    for b in out["backends"].values():
+        assert b["error"] is None and len(b["segments"]) == len(segs)
+
+
+@pytest.mark.parametrize(
+    "lengths, budget, rows, groups",
+    [
+        ([5, 9, 7], 100, 16, [[1, 2, 0]]),  # longest first, one call
+        ([5, 9, 7], 100, 2, [[1, 2], [0]]),  # row cap
+        ([300, 10, 512, 200], 1024, 16, [[2, 0], [3, 1]]),  # 2 x 512 fits, a third row would not
+        ([600, 600], 512, 16, [[0], [1]]),  # a row over the budget still goes, alone
+        ([], 100, 16, []),
+    ],
+)
+def test_batches_group_similar_lengths_within_the_budget(lengths, budget, rows, groups):
+    assert batches(lengths, budget=budget, max_rows=rows) == groups
+
+
+class _SwapForSource:
+    """A real engine that swaps top-1 and top-2 at one step, only in rows whose source tokens are
+    `source_ids`: one segment of a batch diverges, the others stay identical."""
+
+    def __init__(self, inner, step, source_ids):
+        self.inner, self.at, self.source_ids = inner, step, source_ids
+
+    def encode(self, input_ids, attention_mask):
+        rows = [i for i in range(len(input_ids)) if input_ids[i, attention_mask[i] == 1].tolist() == self.source_ids]
+        return self.inner.encode(input_ids, attention_mask), rows
+
+    def step(self, state, decoder_ids):
+        inner, rows = state
+        logits = np.array(self.inner.step(inner, decoder_ids), dtype=np.float32, copy=True)  # (b, V)
+        if decoder_ids.shape[1] - 1 == self.at:
+            for row in rows:
+                a, b = np.argsort(-logits[row], kind="stable")[:2]
+                logits[row, a], logits[row, b] = logits[row, b], logits[row, a]
+        return logits
+
+
+def test_several_segments_detail_the_first_diverging_one(tiny_backends):
+    sentences = ["Click OK.", "Save the file before you close the window.", "Close it.", "Open the menu."]
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    target = kv.tokenizer.encode([sentences[1]], 512).input_ids[0].tolist()
+    flipped = _wrap(kv, "flipped", _SwapForSource(kv.model, 2, target))
+    backends = {"pytorch": tiny_backends["pytorch"], "flipped": flipped}
+    results = {r.name: r for r in compare_iter(backends, " ".join(sentences), max_new_tokens=MAX_NEW)}
+    ref, flipped = results["pytorch"], results["flipped"]
+    assert [s.text for s in ref.segments] == sentences and len(flipped.translations) == 4
+    d = flipped.divergence
+    assert d["segment"] == 1 and d["segments"] == 4 and d["segments_identical"] == 3 and not d["identical"]
+    assert d["first"]["step"] == 2
+    assert [s["identical"] for s in flipped.segment_divergence] == [True, False, True, True]
+    assert [s["first_step"] for s in flipped.segment_divergence] == [None, 2, None, None]
+    # the detail is segment 1's: its alignment, and teacher forcing on segment 1's reference tokens
+    assert [a["ref_id"] for a in d["alignment"] if a["ref_id"] is not None] == ref.translations[1].token_ids
+    assert d["teacher_forced"]["steps"] == len(ref.translations[1].token_ids)
+    assert d["teacher_forced"]["steps_not_argmax"] == [2]
+    out = to_json([ref, flipped])
+    assert [s["text"] for s in out["segments"]] == sentences
+    assert out["backends"]["flipped"]["segments"][1]["divergence"]["identical"] is False
+    with pytest.raises(ValueError, match="4 segments"):
+        flipped.translation  # noqa: B018  (one translation per segment: ask for them all)
+
+
+def test_whole_text_timings_add_up_over_the_batches(tiny_backends):
+    """Timings cover every batch: a text of two batches takes the sum of its two calls' steps."""
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    sentences = dev_sentences(20)  # 20 short sentences: two batches of at most 16
+    [r] = compare_iter({"ort_fp32_kv_cache": kv}, " ".join(sentences), max_new_tokens=MAX_NEW)
+    groups = batches([kv.tokenizer.count_tokens(s) for s in sentences])
+    assert len(groups) == 2
+    steps = sum(max(len(r.translations[i].token_ids) for i in g) for g in groups)
+    assert r.timings_ms["steps"] == steps
+    assert r.timings_ms["per_token"] == pytest.approx(r.timings_ms["decode"] / steps)
+    assert r.timings_ms["total"] >= r.timings_ms["decode"] + r.timings_ms["encode"]
 
 
 def test_compare_does_not_import_torch():
