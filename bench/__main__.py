@@ -3,6 +3,7 @@
   python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--peers] [--quick] [--out DIR]
   python -m bench quality [--model DIR] [--tsv FILE] [--sentences N] [--threads 2] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
+  python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
 
 Each writes results.json and report.md (speed: also PNG plots) into --out, by default
 bench-results/<command>-<model>-<UTC time>/. See bench/README.md for what is measured and left out.
@@ -38,7 +39,7 @@ def speed(args) -> int:
     pairs = sentences_arg(args.sentences)
     export_dir = resolve_model(args.model, threads=args.threads)
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
-                  warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers)
+                  warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor)
     if args.quick:
         fields.update(speed_mod.QUICK)
     for name in ("latency_sentences", "throughput_sentences", "sweep_sentences"):
@@ -92,6 +93,32 @@ def table(args) -> int:
     return 0
 
 
+def load(args) -> int:
+    import os
+
+    from . import load as load_mod
+    from .load_report import summary_table
+
+    app_args = args.app_args[1:] if args.app_args[:1] == ["--"] else args.app_args
+    if app_args and not args.launch:
+        raise ValueError(f"arguments for app.py ({' '.join(app_args)}) need --launch")
+    options = load_mod.LoadOptions(
+        url=args.url, launch_args=tuple(app_args) if args.launch else None, pid=args.pid, users=args.users,
+        requests=args.requests, timeout_s=args.timeout, deadline_s=args.deadline, busy_backoff_s=args.busy_backoff,
+        think_s=args.think, warmup=args.warmup, rss_every=args.rss_every, repeat=args.repeat, tsv=args.tsv,
+        seed=args.seed, start_timeout_s=args.start_timeout)
+    results = load_mod.run(options, args.out, log=lambda m: print(m, flush=True))
+    print(summary_table(results))
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}", flush=True)
+    c = results["counts"]
+    if c["unfinished_users"]:
+        # gradio_client's worker threads are not daemons and the interpreter joins them at exit;
+        # a request stuck past every limit would hang that join, so leave without it.
+        print(f"error: {len(c['unfinished_users'])} users still waiting past the deadline", file=sys.stderr, flush=True)
+        os._exit(1)
+    return 1 if c["error"] or c["not_sent"] else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +144,7 @@ def main(argv=None) -> int:
     sp.add_argument("--max-new-tokens", type=int, default=256, help="cap when lengths are not forced")
     sp.add_argument("--warmup", type=int, default=3)
     sp.add_argument("--timeout", type=int, default=3600, help="seconds per runtime")
+    sp.add_argument("--no-floor", action="store_true", help="skip the memory-bandwidth floor (1 GB, a few seconds)")
     sp.add_argument("--out", type=Path)
     sp.set_defaults(func=speed)
 
@@ -134,6 +162,28 @@ def main(argv=None) -> int:
     tp = sub.add_parser("table", help="print a speed run's compact table (for the README)")
     tp.add_argument("results", type=Path, help="a speed run's folder or its results.json")
     tp.set_defaults(func=table)
+
+    lp = sub.add_parser("load", help="concurrent users against the app's `compare` API: latency, busy, errors, RSS")
+    target = lp.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running app, e.g. http://127.0.0.1:7860/")
+    target.add_argument("--launch", action="store_true", help="start app.py (arguments after -- go to it: "
+                        "`--launch -- --queue-size 4`), drive it, stop it")
+    lp.add_argument("--pid", type=int, help="with --url: the app's process id, for its memory (children included)")
+    lp.add_argument("--users", type=int, default=16, help="concurrent clients, one request in flight each")
+    lp.add_argument("--requests", type=int, default=400, help="requests in all, busy rejections included")
+    lp.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is cancelled")
+    lp.add_argument("--deadline", type=float, default=1800.0, help="seconds after which no request is sent")
+    lp.add_argument("--busy-backoff", type=float, default=1.0, help="seconds a user waits after a busy answer")
+    lp.add_argument("--think", type=float, default=0.0, help="seconds a user waits after each answer")
+    lp.add_argument("--warmup", type=int, default=2, help="requests one at a time first, not counted")
+    lp.add_argument("--rss-every", type=int, default=100, help="sample the app's memory every N finished requests")
+    lp.add_argument("--repeat", type=int, default=1, help="the endpoint's runs per backend")
+    lp.add_argument("--tsv", type=Path, default=DEFAULT_TSV, help="sentences: 10-40-word `en` rows, drawn with --seed")
+    lp.add_argument("--seed", type=int, default=0)
+    lp.add_argument("--start-timeout", type=float, default=900.0, help="with --launch: seconds for the app to serve")
+    lp.add_argument("--out", type=Path, default=RESULTS / "load")
+    lp.add_argument("app_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    lp.set_defaults(func=load)
 
     args = parser.parse_args(argv)
     try:

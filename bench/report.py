@@ -44,11 +44,13 @@ def render_speed(results: dict) -> str:
     m, s, o = results["model"], results["sentences"], results["options"]
     runtimes, ref = results["runtimes"], results.get("reference")
     forced = o.get("forced_tokens")
-    out = [f"# Speed: {Path(m['export']).name}", ""]
+    quick = " (quick run in the app: every backend in the app's process)" if results.get("quick") else ""
+    out = [f"# Speed: {Path(m['export']).name}{quick}", ""]
     out += [
         f"Model: {m.get('parameters') or '?':,} parameters, {m['layers']} layers, d_model {m['d_model']}, "
         f"vocab {m['vocab_size']} (export `{m['export']}`).",
-        f"Sentences: {s['count']} ({s['words_min_median_max'][0]}–{s['words_min_median_max'][2]} words, "
+        f"Sentences: {s['count']}{' from ' + s['source'] if s.get('source') else ''} "
+        f"({s['words_min_median_max'][0]}–{s['words_min_median_max'][2]} words, "
         f"{s['source_tokens_min_median_max'][0]}–{s['source_tokens_min_median_max'][2]} source tokens, median "
         f"{s['source_tokens_min_median_max'][1]:.0f}); batch-1 latency over {s['latency_sentences']}, throughput "
         f"over {s['throughput_sentences']} length-sorted, length sweep over {s['sweep_sentences']}.",
@@ -104,6 +106,20 @@ def render_speed(results: dict) -> str:
             out.append(f"| {c['claim']} | {c['measured']} | {verdict} |")
         out += ["", "A speed claim holds when the measured speedup reaches 90% of the claimed one; "
                 "\"identical\" only at 100% identical token ids (batch-1 outputs of this run)."]
+    fl = results["environment"].get("floor")
+    if fl:
+        probes = ", ".join(f"{k} {v['gb_per_s']} GB/s" for k, v in fl["bandwidth"]["probes"].items())
+        out += ["", "## Memory-bandwidth floor (batch 1)", "",
+                f"Read bandwidth, {fl['bandwidth']['threads']} threads, {fl['bandwidth']['probe_mb']} MB, median of "
+                f"{fl['bandwidth']['passes']}: {probes}; the faster sets the floor. A decoder step reads every weight "
+                "once, so per token no runtime can beat weight bytes / bandwidth (bench/floor.py).", "",
+                "| decoder graph | weights read per step MB | floor ms/token |", "|---|---:|---:|"]
+        out += [f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} |" for g, v in fl["graphs"].items()]
+    if results.get("targets"):
+        out += ["", "## Speed targets (issue #6), measured in this run", "", "| target | measured | held? |",
+                "|---|---|---|"]
+        for t in results["targets"]:
+            out.append(f"| {t['target']} | {t['measured']} | {({True: 'yes', False: 'no', None: '–'})[t['held']]} |")
     sweep = {n: r["sweep"] for n, r in runtimes.items() if r.get("sweep")}
     if sweep:
         lengths = sorted({int(k) for sw in sweep.values() for k in sw})
@@ -122,7 +138,9 @@ def render_speed(results: dict) -> str:
             if kv in sweep and ss in sweep and str(n) in sweep[kv] and str(n) in sweep[ss]:
                 row.append(_ratio(sweep[ss][str(n)]["ms_per_sentence"] / sweep[kv][str(n)]["ms_per_sentence"]))
             out.append("| " + " | ".join(row) + " |")
-    out += ["", "## What is timed", "", results["what_is_timed"], ""]
+    from .speed import NOT_MEASURED
+
+    out += ["", "## What is timed", "", results["what_is_timed"], "", f"Not measured: {NOT_MEASURED}.", ""]
     if forced:
         out += ["With forced lengths every runtime runs the same number of decoder steps; the outputs of a "
                 "random-weight model mean nothing, so BLEU is not reported and agreement only shows whether "
@@ -243,9 +261,9 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def load_latest(root: str | Path = RESULTS, kind: str | None = "speed") -> dict | None:
-    """The newest results.json under `root` (of `kind`, None = any) as
-    {"path", "results", "markdown", "plots": [absolute PNG paths]}; None when there is none."""
+def find_reports(root: str | Path = RESULTS, kind: str | None = "speed") -> list[dict]:
+    """Every results.json under `root` (of `kind`, None = any), newest first, as
+    {"path", "mtime", "results"}: what a picker of past reports lists."""
     found = []
     for path in Path(root).glob("**/results.json"):
         try:
@@ -253,10 +271,14 @@ def load_latest(root: str | Path = RESULTS, kind: str | None = "speed") -> dict 
         except (OSError, json.JSONDecodeError):
             continue  # a half-written or foreign file is not a report
         if kind is None or data.get("kind") == kind:
-            found.append((path.stat().st_mtime, path, data))
-    if not found:
-        return None
-    _, path, data = max(found, key=lambda t: t[0])
+            found.append({"path": str(path), "mtime": path.stat().st_mtime, "results": data})
+    return sorted(found, key=lambda r: r["mtime"], reverse=True)
+
+
+def load_report(path: str | Path, results: dict | None = None) -> dict:
+    """One report as {"path", "results", "markdown", "plots": [absolute PNG paths]}."""
+    path = Path(path)
+    data = results if results is not None else json.loads(path.read_text(encoding="utf-8"))
     md = path.with_name("report.md")
     return {
         "path": str(path),
@@ -264,6 +286,13 @@ def load_latest(root: str | Path = RESULTS, kind: str | None = "speed") -> dict 
         "markdown": md.read_text(encoding="utf-8") if md.is_file() else "",
         "plots": [str(path.parent / p) for p in data.get("plots", []) if (path.parent / p).is_file()],
     }
+
+
+def load_latest(root: str | Path = RESULTS, kind: str | None = "speed") -> dict | None:
+    """The newest results.json under `root` (of `kind`, None = any) as `load_report` gives it;
+    None when there is none."""
+    found = find_reports(root, kind)
+    return load_report(found[0]["path"], found[0]["results"]) if found else None
 
 
 def readme_table(results: dict) -> str:

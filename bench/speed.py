@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import metrics, peers as peers_mod
+from . import floor as floor_mod, metrics, peers as peers_mod
 from .data import REPO, Pair, default_backends, environment
 from .protocol import Spec, measure
 
@@ -38,6 +38,7 @@ class SpeedOptions:
     sweep_peers: bool = False  # the sweep is about our backends; peers only when asked
     warmup: int = 3
     timeout_s: int = 3600  # per runtime subprocess
+    floor: bool = True  # measure read bandwidth after the runs: the batch-1 per-token floor
 
     def __post_init__(self):
         if self.threads < 1:
@@ -47,6 +48,14 @@ class SpeedOptions:
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
 
+
+QUICK_RUN_LIMIT = 20  # sentences in the app's quick run: a few seconds per backend on a small CPU
+
+# What no speed run here measures; the report and the app's Benchmark tab say so next to the numbers.
+NOT_MEASURED = (
+    "cold start (the first run after boot, page cache empty), beam search, more than one request at a time, "
+    "GPUs, and the accuracy of a random-weight fixture (meaningless)"
+)
 
 # `--quick`: small, stated samples so the opus-sized run with peers fits in about 15 minutes.
 QUICK = dict(latency_sentences=40, throughput_sentences=64, sweep_sentences=3)
@@ -59,6 +68,15 @@ WHAT_IS_TIMED = (
     "size). Greedy search for every runtime. Each runtime runs alone in its own process; peak RSS is that "
     "process's maximum resident memory over the whole run (load, warm-up, batch 1 and the largest batch), "
     "so it includes the Python interpreter and the runtime library."
+)
+
+QUICK_WHAT_IS_TIMED = (
+    "Wall-clock time of one translate call per batch (time.perf_counter): tokenization, encoder, every "
+    "decoder step, the runtime's search loop and detokenization. Excluded: model loading (the app loaded "
+    "the backends when it started) and the warm-up calls (one single sentence and one batch). Greedy search. "
+    "Quick run: all backends share the app's process, one after the other, while no translation runs; load "
+    "time, peak memory, size on disk and the output-length sweep are not measured (`python -m bench speed` "
+    "measures them, each runtime alone in its own process)."
 )
 
 
@@ -180,6 +198,9 @@ def run(
             _collect(name, r, runtimes, failed, log)
 
     env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    if options.floor:
+        log("memory-bandwidth floor: measuring read bandwidth ...")
+        env["floor"] = floor_mod.floors(export_dir, manifest, options.threads)
     venv_peer = next((r for n, r in runtimes.items() if r.get("kind") == "peer" and n not in peers_mod.IN_PROJECT_ENV), None)
     if venv_peer:
         env["peer_environment"] = {"python": str(peer_python), "versions": venv_peer["versions"]}
@@ -259,6 +280,7 @@ def add_comparisons(results: dict, references: list[str | None]) -> None:
             cmp["quality_vs_references"] = metrics.bleu_chrf([o["text"] for o in r["outputs"]], refs)
         r["comparison"] = cmp
     results["claims"] = claims(results)
+    results["targets"] = targets(results)
 
 
 # The migration article's claims, checked on every run. A speed claim holds when the measured
@@ -303,6 +325,52 @@ def claims(results: dict) -> list[dict]:
     return out
 
 
+# The speed issue's targets (fp32 KV cache and int8 against PyTorch, CTranslate2 and Optimum), checked
+# on every run where the runtimes they name took part. Batch 1 compares p50 latency.
+def targets(results: dict) -> list[dict]:
+    rt, big = results["runtimes"], str(results["options"]["batch_sizes"][-1])
+    floor = results["environment"].get("floor", {}).get("graphs", {})
+
+    def p50(name):
+        return rt[name]["latency"]["p50"] if name in rt else None
+
+    def thr(name):
+        t = rt.get(name, {}).get("throughput", {}).get(big)
+        return t["sentences_per_s"] if t else None
+
+    out = []
+
+    def check(text, value, limit, higher_is_better, fmt):
+        if value is None or limit is None:
+            out.append({"target": text, "held": None, "measured": "not measured (a runtime it needs did not run)"})
+            return
+        held = value >= limit if higher_is_better else value <= limit
+        out.append({"target": text, "value": value, "limit": limit, "held": held, "measured": fmt(value, limit)})
+
+    kv, i8 = "ort_fp32_kv_cache", "ort_int8"
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    check("ORT fp32 KV cache, batch 1: at most 0.45x PyTorch's latency", ratio(p50(kv), p50("pytorch")), 0.45, False,
+          lambda v, _: f"{v:.2f}x PyTorch's p50")
+    check("ORT fp32 KV cache, batch 1: no slower than CTranslate2 float32", ratio(p50(kv), p50("ct2_float32")), 1.0,
+          False, lambda v, _: f"{v:.2f}x CTranslate2 float32's p50")
+    for name, graph in ((kv, "decoder"), (i8, "decoder_int8")):
+        per_token = rt.get(name, {}).get("latency", {}).get("ms_per_token_p50")
+        f = floor.get(graph, {}).get("floor_ms_per_token")
+        check(f"{name}, batch 1: ms per token within 1.3x of the memory-bandwidth floor", ratio(per_token, f), 1.3,
+              False, lambda v, _, f=f, t=per_token: f"{t:.2f} ms/token = {v:.2f}x the {f:.2f} ms floor")
+    check(f"ORT fp32 KV cache, batch {big}: at least 1.5x PyTorch's throughput", ratio(thr(kv), thr("pytorch")), 1.5,
+          True, lambda v, _: f"{v:.2f}x PyTorch's sentences/s")
+    check(f"ORT fp32 KV cache, batch {big}: above Optimum fp32's throughput", ratio(thr(kv), thr("optimum_fp32")), 1.0,
+          True, lambda v, _: f"{v:.2f}x Optimum fp32's sentences/s")
+    check("KV cache at least 2x faster than single-step (batch 1, this run's output length)",
+          ratio(p50("ort_fp32_single_step"), p50(kv)), 2.0, True, lambda v, _: f"{v:.2f}x")
+    check("ort_int8, batch 1: no slower than CTranslate2 int8", ratio(p50(i8), p50("ct2_int8")), 1.0, False,
+          lambda v, _: f"{v:.2f}x CTranslate2 int8's p50")
+    check(f"ort_int8, batch {big}: at least 0.8x CTranslate2 int8's throughput", ratio(thr(i8), thr("ct2_int8")), 0.8,
+          True, lambda v, _: f"{v:.2f}x CTranslate2 int8's sentences/s")
+    return out
+
+
 def quick_run(
     backends: dict,
     sentences: list[str],
@@ -310,52 +378,70 @@ def quick_run(
     forced_tokens: int | None = None,
     max_new_tokens: int = 256,
     references: list[str] | None = None,
+    source: str | None = None,
+    not_run: dict[str, str] | None = None,
 ) -> dict:
     """A small in-process benchmark of already loaded backends, for the app (at most 20 sentences).
 
     Same protocol as `python -m bench speed`, but every backend shares this process, so load time,
     peak memory and the length sweep are not measured (the full command does that). One warm-up call,
     batch-1 latency over every sentence, then one length-sorted pass at batch min(8, n).
-    `progress(fraction, message)` is called between backends (gradio's gr.Progress fits).
-    Returns the same layout as results.json; `bench.report.write(result, folder)` saves it.
+    `progress(fraction, message)` is called between backends and between their phases, never inside
+    a timed call (gradio's gr.Progress fits; it is falsy, having a len of 0, hence `is not None`).
+    `source` says where the sentences came from; `not_run` names backends that could not take part,
+    with why. Returns the same layout as results.json; `bench.report.write(result, folder)` saves it.
     """
     from .worker import BackendRuntime
 
     sentences = [s.strip() for s in sentences if s and s.strip()]
-    if not 1 <= len(sentences) <= 20:
-        raise ValueError(f"quick_run takes 1 to 20 sentences, got {len(sentences)}")
+    if not 1 <= len(sentences) <= QUICK_RUN_LIMIT:
+        raise ValueError(f"quick_run takes 1 to {QUICK_RUN_LIMIT} sentences, got {len(sentences)}")
+    if references is not None and len(references) != len(sentences):
+        raise ValueError(f"{len(references)} references for {len(sentences)} sentences")
     if not backends:
         raise ValueError("no backend to benchmark")
-    threads = next(iter(backends.values())).info.get("threads") or 1
+    first = next(iter(backends.values()))
+    threads = first.info.get("threads") or 1
+    env = environment(threads)  # before the run, so the load average is the one at start
+    started = time.perf_counter()
     options = SpeedOptions(threads=threads, forced_tokens=forced_tokens, max_new_tokens=max_new_tokens,
                            batch_sizes=(min(8, len(sentences)),), sweep_lengths=(), warmup=1)
-    first = next(iter(backends.values()))
     lengths = [first.tokenizer.count_tokens(s) for s in sentences]
     spec = make_spec(sentences, lengths, options, sweep=False)
+    phases = 3  # warm-up, batch-1 latency, throughput: the messages `measure` reports between them
     runtimes = {}
     for k, (name, backend) in enumerate(backends.items()):
-        if progress:
-            progress(k / len(backends), f"{name} ({k + 1}/{len(backends)})")
-        r = measure(BackendRuntime(backend), spec)
+        done = iter(range(phases))
+
+        def report_phase(msg: str, k=k, name=name, done=done) -> None:
+            if progress is not None:
+                step = next(done, phases - 1)
+                progress((k + step / phases) / len(backends), f"{name} ({k + 1}/{len(backends)}): {msg}")
+
+        r = measure(BackendRuntime(backend), spec, report_phase)
         r.update(name=name, kind="backend", info=dict(backend.info), in_process=True)
         r.pop("peak_rss_mb", None)  # the whole app's peak, not this backend's: not reported
         r.pop("rss_after_warmup_mb", None)
         runtimes[name] = r
-    if progress:
+    if progress is not None:
         progress(1.0, "done")
-    env = environment(threads)
+    env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    info = _sentence_info([Pair(s) for s in sentences], lengths, spec)
+    info["source"] = source
+    info["has_references"] = bool(references) and all(references)
     results = {
         "kind": "speed",
         "quick": True,
         "model": _model_info(first.manifest.root, first.manifest),
         "environment": env,
         "options": {**options.__dict__, "batch_sizes": list(options.batch_sizes), "sweep_lengths": []},
-        "sentences": _sentence_info([Pair(s) for s in sentences], lengths, spec),
-        "what_is_timed": WHAT_IS_TIMED.replace("Each runtime runs alone in its own process", "All backends share the app's process")
-        + " Quick run: load time, memory and the length sweep are not measured.",
+        "sentences": info,
+        "what_is_timed": QUICK_WHAT_IS_TIMED,
         "reference": REFERENCE,
         "runtimes": runtimes,
         "failed": {},
+        "not_run": dict(not_run or {}),
+        "wall_s": round(time.perf_counter() - started, 1),
     }
     add_comparisons(results, references or [None] * len(sentences))
     return results

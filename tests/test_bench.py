@@ -133,6 +133,29 @@ def test_speed_writes_report_and_plots(speed_run):
         assert (out / p).read_bytes().startswith(PNG)
 
 
+def test_speed_measures_the_bandwidth_floor_and_checks_the_targets(speed_run, tiny_export_dir):
+    from bench.floor import weight_bytes
+
+    _, out, results = speed_run
+    floor = results["environment"]["floor"]
+    bw = floor["bandwidth"]["gb_per_s"]
+    assert bw == max(p["gb_per_s"] for p in floor["bandwidth"]["probes"].values()) > 0.1
+    decoder = floor["graphs"]["decoder"]
+    assert decoder["weight_mb"] == pytest.approx(weight_bytes(tiny_export_dir / "decoder.onnx") / 2**20, abs=0.01)
+    assert decoder["floor_ms_per_token"] == pytest.approx(decoder["weight_mb"] / 1024 / bw * 1e3, rel=0.02)
+    assert floor["graphs"]["decoder_int8"]["weight_mb"] < decoder["weight_mb"]
+    targets = {t["target"]: t for t in results["targets"]}
+    kv = targets["ort_fp32_kv_cache, batch 1: ms per token within 1.3x of the memory-bandwidth floor"]
+    per_token = results["runtimes"]["ort_fp32_kv_cache"]["latency"]["ms_per_token_p50"]
+    assert kv["value"] == pytest.approx(per_token / decoder["floor_ms_per_token"])
+    assert kv["held"] == (kv["value"] <= 1.3)
+    # No peers in this run: targets against them are reported as not measured, not as passed.
+    ct2 = targets["ort_int8, batch 1: no slower than CTranslate2 int8"]
+    assert ct2["held"] is None and "not measured" in ct2["measured"]
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Memory-bandwidth floor" in md and "## Speed targets" in md
+
+
 def test_readme_table_has_ratios(speed_run, capsys):
     from bench.__main__ import main
 

@@ -1,0 +1,90 @@
+"""The memory-bandwidth floor of one decode step, measured on this machine.
+
+At batch 1 a decoder step multiplies one vector by every weight matrix of the decoder and the
+output layer: each weight byte is read once per token and there is too little arithmetic to hide
+the reads. So no runtime can beat (bytes of weights read per step) / (read bandwidth), and how
+close a backend's per-token time comes to it says how much is left to gain.
+
+Bandwidth is measured with two read-bound kernels over 512 MB of float32 (far more than any
+cache), with the benchmark's thread count: ONNX Runtime's ReduceSum, and a matrix-vector product
+through numpy's BLAS (the very shape of a batch-1 decode step). Each is the median of 7 passes
+after a warm-up; the faster of the two sets the floor, so the floor errs on the demanding side. Bytes per step are the decoder graph's initializers (all of them are read every step,
+the tied embedding/output table included; the cross-attention keys/values come from the encoder
+once per sentence and are not weights).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROBE_MB = 512
+
+
+def _median_gbps(fn, mb: int, passes: int) -> dict:
+    fn()  # warm-up: pages faulted in, threads started
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return {"gb_per_s": round(mb / 1024 / statistics.median(seconds), 2),
+            "best_gb_per_s": round(mb / 1024 / min(seconds), 2)}
+
+
+def read_bandwidth_gbps(threads: int, mb: int = PROBE_MB, passes: int = 7) -> dict:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)],
+        "read",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = ort.OrtValue.ortvalue_from_numpy(np.ones(mb * 2**20 // 4, dtype=np.float32))
+    probes = {"ort_reduce_sum": _median_gbps(lambda: session.run_with_ort_values(["y"], {"x": x}), mb, passes)}
+    del x, session
+    w = np.ones((mb * 2**20 // 4 // 2048, 2048), dtype=np.float32)  # (n, 2048)
+    v = np.ones(2048, dtype=np.float32)
+    probes["numpy_blas_gemv"] = _median_gbps(lambda: w @ v, mb, passes)
+    best = max(probes.values(), key=lambda p: p["gb_per_s"])
+    return {"gb_per_s": best["gb_per_s"], "probes": probes, "probe_mb": mb, "passes": passes, "threads": threads,
+            "note": "numpy's BLAS runs with its default thread count (every core)"}
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of a graph's initializers (weights), from the file without loading the tensors twice."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    total = 0
+    for init in model.graph.initializer:
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+        total += int(np.prod(init.dims, dtype=np.int64)) * itemsize
+    return total
+
+
+def floors(export_dir: Path, manifest, threads: int) -> dict:
+    """Per decoder graph: bytes read per step and the resulting ms/token floor at this bandwidth."""
+    bw = read_bandwidth_gbps(threads)
+    out = {"bandwidth": bw, "graphs": {}}
+    # Not fp16: ONNX Runtime's CPU provider computes it in fp32 through inserted Casts, so its
+    # file's bytes are not what a step reads.
+    for name in ("decoder", "decoder_int8"):
+        if name not in manifest.data["graphs"]:
+            continue
+        nbytes = weight_bytes(Path(export_dir) / manifest.graph(name)["file"])
+        out["graphs"][name] = {
+            "weight_mb": round(nbytes / 2**20, 3),
+            "floor_ms_per_token": round(nbytes / 2**30 / bw["gb_per_s"] * 1e3, 4),
+        }
+    return out

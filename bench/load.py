@@ -1,0 +1,421 @@
+"""python -m bench load: many users at once against the app's `compare` endpoint, through gradio_client.
+
+Each user is one `gradio_client.Client` (its own session) in its own thread, sending one request
+at a time and the next as soon as the answer is in (a closed loop). Every request ends as exactly
+one of:
+
+  ok      the final JSON arrived and no backend in it reports an error
+  busy    the app's queue was full: gradio answers HTTP 503 and gradio_client raises
+          `QueueError("Queue is full! Please try again.")` (checked against gradio 6.31 /
+          gradio_client 2.7.2); the user waits `busy_backoff_s` before its next request
+  error   anything else, by kind: `timeout` (no final answer within `timeout_s`; the job is then
+          cancelled), `backend_error` (the JSON names a failed backend), `malformed_answer`, or the
+          exception's type (`AppError` for an error the app raised, e.g. on an empty input)
+
+Time per request, from three clocks:
+
+  end to end   time.perf_counter around submit -> final result, in the user's thread
+  queue wait   submit -> the `process_starts` message (gradio_client status PROCESSING)
+  service      `process_starts` -> `process_completed` (status FINISHED)
+  compute      the sum over backends of their own translate timings (`runs.totals_ms`, the hot path);
+               service - compute is the rest of the server's work: teacher-forced scoring and
+               alignment for the divergence view, JSON, the streamed diffs
+
+The status times are stamped by gradio_client's per-job worker, which polls for messages every 50 ms,
+so each phase boundary can be late by up to 50 ms; end to end has no such lag at its start.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlparse
+
+import numpy as np
+
+from .data import DEFAULT_TSV, _version, default_sample, environment
+
+API_NAME = "/compare"
+PERCENTILES = (50, 95, 99)
+OUTCOMES = ("ok", "busy", "error")
+CANCEL_GRACE_S = 10.0  # a cancelled job settles in well under a second when the app is alive
+
+WHAT_IS_TIMED = (
+    "End to end: time.perf_counter in the user's thread from `Client.submit` to the final result (the "
+    "last streamed update), so it includes the client's HTTP join, waiting in the app's queue, the "
+    "server's work and the streamed updates. Queue wait: submit to the app's `process_starts` message; "
+    "service: `process_starts` to `process_completed` (both stamped on arrival by gradio_client's worker, "
+    "which polls every 50 ms). Compute: the sum of every backend's own translate timings from the "
+    "returned JSON. Percentiles are over ok requests only (numpy linear interpolation); busy rejections "
+    "and errors are counted apart. Warm-up requests are not counted."
+)
+NOT_MEASURED = (
+    "browser rendering and the page's own events (the UI path renders HTML and plots per update; only "
+    "the API is driven), network latency (client and app on one machine, sharing its cores), "
+    "inputs other than 10-40-word dev sentences, and queue sizes other than the app's"
+)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What to drive and how hard; validated once here."""
+
+    url: str | None = None  # a running app; exactly one of url and launch_args
+    launch_args: tuple[str, ...] | None = None  # start `python app.py *launch_args` and stop it after
+    pid: int | None = None  # with url: the app's process, for its RSS (with launch: the started one)
+    users: int = 16  # concurrent clients, one request in flight each
+    requests: int = 400  # requests sent in all, busy rejections included
+    timeout_s: float = 120.0  # per request, submit to final result; then cancelled, counted as an error
+    deadline_s: float = 1800.0  # warm-up and run: no request is sent after this
+    busy_backoff_s: float = 1.0  # a user turned away waits this long, as a person told "try again" would
+    think_s: float = 0.0  # a user's pause after each answered request
+    warmup: int = 2  # requests one at a time before the run, not counted
+    rss_every: int = 100  # sample the app's memory each time this many requests have finished
+    repeat: int = 1  # the endpoint's `repeat`: runs per backend per request
+    tsv: Path = DEFAULT_TSV
+    seed: int = 0
+    start_timeout_s: float = 900.0  # with launch: a first start exports the embedded model
+
+    def __post_init__(self):
+        problems = []
+        if (self.url is None) == (self.launch_args is None):
+            problems.append("give exactly one of --url URL and --launch")
+        if self.url is not None and urlparse(self.url).scheme not in ("http", "https"):
+            problems.append(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.pid is not None and self.launch_args is not None:
+            problems.append("--pid is for --url; --launch samples the app it starts")
+        if self.pid is not None and self.pid < 1:
+            problems.append(f"--pid must be a process id, got {self.pid}")
+        if self.users < 1:
+            problems.append(f"--users must be at least 1, got {self.users}")
+        if self.requests < self.users:
+            problems.append(f"--requests must be at least --users ({self.users}), got {self.requests}")
+        for name in ("timeout_s", "deadline_s", "start_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("busy_backoff_s", "think_s"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.warmup < 0:
+            problems.append(f"--warmup must be 0 or more, got {self.warmup}")
+        if self.rss_every < 1:
+            problems.append(f"--rss-every must be at least 1, got {self.rss_every}")
+        if not 1 <= self.repeat <= 20:
+            problems.append(f"--repeat must be in 1..20 (the endpoint's range), got {self.repeat}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class Request:
+    """One request as the client saw it."""
+
+    index: int  # -1 .. -warmup for warm-up requests
+    user: int
+    sentence: int  # index into the drawn sentences
+    outcome: str = "error"  # one of OUTCOMES
+    kind: str | None = None  # busy / error: the exception type, `timeout` or `backend_error`
+    message: str | None = None
+    start_s: float = 0.0  # from the start of the run
+    end_to_end_ms: float | None = None
+    queue_wait_ms: float | None = None
+    service_ms: float | None = None
+    compute_ms: float | None = None
+    rank_on_join: int | None = None  # the first queue position the app announced (0 = next)
+    tokens: int | None = None  # the longest output among the backends, in tokens
+    capped: list[str] | None = None  # backends that stopped at the length cap, not at eos
+
+
+@dataclass
+class _Progress:
+    """Shared by the user threads: the next request to send, the tallies, the memory samples."""
+
+    total: int
+    deadline: float  # time.monotonic()
+    every: int
+    sample: Callable[[], dict] | None
+    log: Callable[[str], None]
+    sent: int = 0
+    finished: int = 0
+    tally: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    samples: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> int | None:
+        with self.lock:
+            if self.sent >= self.total or time.monotonic() >= self.deadline:
+                return None
+            self.sent += 1
+            return self.sent - 1
+
+    def done(self, outcome: str, t0: float) -> None:
+        with self.lock:
+            self.finished += 1
+            self.tally[outcome] += 1
+            if self.finished % self.every and self.finished != self.total:
+                return
+            # sampled under the lock so the samples stay in order; psutil reads /proc, ~1 ms
+            sample = {"finished": self.finished, **self.tally, "t_s": round(time.monotonic() - t0, 2)}
+            if self.sample:
+                sample.update(self.sample())
+            self.samples.append(sample)
+        rss = f"; app RSS {sample['rss_mb']:.0f} MB" if "rss_mb" in sample else ""
+        self.log(f"{sample['finished']}/{self.total} finished: {sample['ok']} ok, {sample['busy']} busy, "
+                 f"{sample['error']} errors{rss}")
+
+
+def _phases(job, sent: datetime) -> dict:
+    """Queue wait, service and first queue rank from the job's status updates."""
+    if job.communicator is None:
+        raise RuntimeError("the endpoint is not queued: gradio_client gives no status updates for it")
+    # gradio_client puts every status update of a job in this queue (what `async for` over a Job
+    # reads); the last one goes in before the job completes, so after `result()` it is complete.
+    updates = job.communicator.updates
+    stamps, rank = {}, None
+    while not updates.empty():
+        u = updates.get_nowait()
+        if u.type != "status":
+            continue
+        stamps.setdefault(u.code.value, u.time)
+        if rank is None and u.code.value == "IN_QUEUE":
+            rank = u.rank
+    start, end = stamps.get("PROCESSING"), stamps.get("FINISHED")
+    ms = lambda a, b: round((b - a).total_seconds() * 1e3, 1) if a and b else None  # noqa: E731
+    return {"queue_wait_ms": ms(sent, start), "service_ms": ms(start, end), "rank_on_join": rank}
+
+
+def _check(out, req: Request) -> str | None:
+    """Fills compute, tokens and capped from an answer; returns why it is not ok, or None."""
+    backends = out["backends"]  # KeyError / TypeError on a malformed answer: the caller counts it
+    failed = [f"{name}: {b['error']}" for name, b in backends.items() if b.get("error")]
+    if failed:
+        return "; ".join(failed)
+    req.compute_ms = round(sum(sum(b["runs"]["totals_ms"]) for b in backends.values()), 1)
+    # outliers in time and memory are mostly long outputs: a backend that never says eos
+    req.tokens = max((len(b.get("token_ids") or ()) for b in backends.values()), default=0)
+    req.capped = [name for name, b in backends.items() if b.get("stop_reason") == "max_new_tokens"]
+    return None
+
+
+def one_request(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
+    """Send one request and wait for its outcome, never longer than options.timeout_s."""
+    from gradio_client.utils import QueueError
+
+    req.start_s = round(time.monotonic() - t0, 3)
+    sent, start = datetime.now(), time.perf_counter()
+    job = client.submit(text, options.repeat, api_name=API_NAME)
+    try:
+        out = job.result(timeout=options.timeout_s)
+    except QueueError as e:
+        req.outcome, req.kind, req.message = "busy", type(e).__name__, str(e)
+    except TimeoutError:
+        job.cancel()
+        req.kind, req.message = "timeout", f"no final answer in {options.timeout_s:g} s (cancelled)"
+    except Exception as e:  # the load test's job is to count what the app answers, by kind
+        req.kind, req.message = type(e).__name__, str(e)[:500]
+    else:
+        try:
+            failed = _check(out, req)
+        except (KeyError, TypeError) as e:
+            req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
+        else:
+            if failed:
+                req.kind, req.message = "backend_error", failed[:500]
+            else:
+                req.outcome = "ok"
+    req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
+    if job.done():  # a cancelled job may still be settling; its phases are not needed
+        for key, value in _phases(job, sent).items():
+            setattr(req, key, value)
+    return req
+
+
+def _user(user: int, client, texts: list[str], options: LoadOptions, progress: _Progress,
+          records: list[Request], crashes: list[BaseException], t0: float) -> None:
+    try:
+        while (i := progress.claim()) is not None:
+            req = one_request(client, texts[i % len(texts)], Request(i, user, i % len(texts)), options, t0)
+            records.append(req)  # list.append is atomic under the GIL
+            progress.done(req.outcome, t0)
+            pause = options.busy_backoff_s if req.outcome == "busy" else options.think_s
+            if pause:
+                time.sleep(pause)
+    except BaseException as e:  # a bug here, not an answer of the app: drive() re-raises it
+        crashes.append(e)
+
+
+def summary(values: list[float]) -> dict | None:
+    """n, p50/p95/p99 (numpy linear interpolation), mean, min, max; None when there are none."""
+    a = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=np.float64)
+    if a.size == 0:
+        return None
+    out = {"n": int(a.size)}
+    out.update({f"p{p}": round(float(np.percentile(a, p)), 1) for p in PERCENTILES})
+    out.update(mean=round(float(a.mean()), 1), min=round(float(a.min()), 1), max=round(float(a.max()), 1))
+    return out
+
+
+def memory_change(samples: list[dict], every: int) -> dict | None:
+    """RSS at the last checkpoint against the first (after `every` requests), in MB and %."""
+    points = [s for s in samples if "rss_mb" in s and s["finished"] >= every]
+    if len(points) < 2:
+        return None
+    first, last = points[0], points[-1]
+    return {"from_finished": first["finished"], "from_mb": first["rss_mb"], "to_finished": last["finished"],
+            "to_mb": last["rss_mb"], "change_mb": round(last["rss_mb"] - first["rss_mb"], 1),
+            "change_pct": round(100 * (last["rss_mb"] - first["rss_mb"]) / first["rss_mb"], 2)}
+
+
+def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], None] = print) -> dict:
+    """Warm up, then `options.users` users send `options.requests` requests; returns plain data."""
+    from gradio_client import Client
+
+    from .load_app import memory
+
+    pairs = default_sample(options.requests, options.tsv, options.seed)
+    texts = [p.en for p in pairs]
+    # httpx verifies TLS by loading the CA bundle again on every POST (~0.15 s of CPU here), which
+    # on a small machine the load generator would take from the app it measures; plain http needs none.
+    ssl_verify = urlparse(url).scheme == "https"
+    clients = [Client(url, verbose=False, ssl_verify=ssl_verify) for _ in range(options.users)]
+
+    def sample() -> dict:
+        import psutil
+
+        try:
+            return memory(pid)
+        except psutil.Error as e:  # the app is gone or unreadable: recorded in the sample, shown in the report
+            return {"memory_error": f"{type(e).__name__}: {e}"}
+
+    t0 = time.monotonic()
+    deadline = t0 + options.deadline_s
+    env, rusage_start = environment(threads=0), resource.getrusage(resource.RUSAGE_SELF)  # date and load at start
+    samples: list[dict] = []
+    try:
+        warmup = []
+        for w in range(options.warmup):
+            if time.monotonic() >= deadline:
+                break
+            i = w % len(texts)
+            warmup.append(one_request(clients[0], texts[i], Request(-1 - w, 0, i), options, t0))
+        if pid is not None:
+            samples.append({"finished": 0, "after": f"{len(warmup)} warm-up requests", **sample()})
+        progress = _Progress(options.requests, deadline, options.rss_every, sample if pid else None, log)
+        records: list[Request] = []
+        crashes: list[BaseException] = []
+        # daemon: a user stuck past every limit must not keep the process alive (the caller reports it)
+        threads = [threading.Thread(target=_user, args=(u, c, texts, options, progress, records, crashes, t0),
+                                    daemon=True, name=f"load-user-{u}") for u, c in enumerate(clients)]
+        run_start = time.monotonic()
+        for t in threads:
+            t.start()
+        # every request ends within timeout_s (+ the cancel) and none starts after the deadline
+        limit = deadline + options.timeout_s + options.busy_backoff_s + options.think_s + CANCEL_GRACE_S
+        for t in threads:
+            t.join(timeout=max(0.0, limit - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        run_s = time.monotonic() - run_start
+        if crashes:
+            raise RuntimeError(f"{len(crashes)} user thread(s) failed; the first: {crashes[0]!r}") from crashes[0]
+        if pid is not None and (not progress.samples or progress.samples[-1]["finished"] != progress.finished):
+            progress.samples.append({"finished": progress.finished, **progress.tally,
+                                     "t_s": round(time.monotonic() - t0, 2), "after": "the end of the run", **sample()})
+    finally:
+        for c in clients:
+            c.close()
+    samples += progress.samples
+    rusage_end = resource.getrusage(resource.RUSAGE_SELF)
+    records.sort(key=lambda r: r.index)
+    return _results(url, options, pid, pairs, warmup, records, samples, stuck, run_s, progress.sent,
+                    env, _cpu_s(rusage_end) - _cpu_s(rusage_start))
+
+
+def _cpu_s(r) -> float:
+    return r.ru_utime + r.ru_stime
+
+
+def _results(url, options, pid, pairs, warmup, records, samples, stuck, run_s, sent, env, client_cpu_s) -> dict:
+    ok = [r for r in records if r.outcome == "ok"]
+    counts = {o: sum(r.outcome == o for r in records) for o in OUTCOMES}
+    kinds: dict[str, int] = {}
+    for r in records:
+        if r.outcome == "error":
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
+    overhead = [r.service_ms - r.compute_ms for r in ok if r.service_ms is not None]
+    app_cpu = None
+    if pid is not None and len(samples) >= 2 and "cpu_s" in samples[0] and "cpu_s" in samples[-1]:
+        app_cpu = round(samples[-1]["cpu_s"] - samples[0]["cpu_s"], 1)
+    env.pop("threads")  # the app's threads are its own flag; the load generator has one per user
+    env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    env["versions"].update({p: v for p in ("gradio", "gradio_client", "psutil") if (v := _version(p))})
+    return {
+        "kind": "load",
+        "url": url,
+        "pid": pid,
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
+        "environment": env,
+        "sentences": {"tsv": str(options.tsv), "seed": options.seed, "distinct": len(pairs),
+                      "drawn": "10-40 English words (bench.data.default_sample); request i sends sentence "
+                               "i mod distinct"},
+        "counts": {"requests": options.requests, "sent": sent, "not_sent": options.requests - sent,
+                   "finished": len(records), **counts, "error_kinds": kinds,
+                   "unfinished_users": stuck},
+        "rates": {"error_rate": _rate(counts["error"], len(records)), "busy_rate": _rate(counts["busy"], len(records))},
+        "busy_messages": sorted({r.message for r in records if r.outcome == "busy"}),
+        "error_examples": [asdict(r) for r in records if r.outcome == "error"][:10],
+        "run_s": round(run_s, 2),
+        "throughput_ok_per_s": round(len(ok) / run_s, 3) if run_s > 0 else None,
+        "latency_ms": {
+            "end_to_end": summary([r.end_to_end_ms for r in ok]),
+            "queue_wait": summary([r.queue_wait_ms for r in ok]),
+            "service": summary([r.service_ms for r in ok]),
+            "compute": summary([r.compute_ms for r in ok]),
+            "service_minus_compute": summary(overhead),
+            "busy_answer": summary([r.end_to_end_ms for r in records if r.outcome == "busy"]),
+        },
+        "queue_rank_on_join": summary([r.rank_on_join for r in ok]),
+        "output_tokens": summary([r.tokens for r in ok]),
+        "capped": {name: n for name in sorted({c for r in ok for c in r.capped})
+                   if (n := sum(name in r.capped for r in ok))},
+        "cpu_s": {"app": app_cpu, "load_generator": round(client_cpu_s, 1), "run_s": round(run_s, 1)},
+        "memory": {"samples": samples, "every": options.rss_every, "change": memory_change(samples, options.rss_every)},
+        "warmup": [asdict(r) for r in warmup],
+        "requests": [asdict(r) for r in records],
+        "what_is_timed": WHAT_IS_TIMED,
+        "not_measured": NOT_MEASURED,
+    }
+
+
+def _rate(n: int, of: int) -> float | None:
+    return round(n / of, 4) if of else None
+
+
+def run(options: LoadOptions, out: Path, log: Callable[[str], None] = print) -> dict:
+    """Attach to options.url or launch the app, drive it, stop what was launched, write the files."""
+    from . import load_app, load_report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    app = None
+    if options.launch_args is not None:
+        log(f"starting app.py {' '.join(options.launch_args)} (log: {out / 'app.log'})")
+        app = load_app.launch(list(options.launch_args), out / "app.log", options.start_timeout_s)
+        log(f"app serving {app.url} after {app.ready_s:.1f} s (pid {app.proc.pid})")
+    try:
+        url = app.url if app else options.url
+        pid = app.proc.pid if app else options.pid
+        results = drive(url, options, pid, log)
+    finally:
+        stopped = load_app.stop(app) if app else None
+    if app:
+        results["launched"] = {"command": app.command[1:], "ready_s": round(app.ready_s, 1), "stop": stopped,
+                               "log": str(app.log)}
+    load_report.write(results, out)
+    return results

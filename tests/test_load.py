@@ -1,0 +1,235 @@
+"""bench/load.py: options, statistics, timeouts and the deadline on a stub app in this process, and
+one short run against the real `python app.py` started by `--launch`, with a queue small enough to
+turn users away."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from bench.load import LoadOptions, drive, memory_change, run, summary
+from conftest import EMBEDDED_MODEL
+
+TINY_MAX_NEW_TOKENS = 24  # the tiny random model rarely stops by itself
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and arithmetic
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(), "give exactly one of --url URL and --launch"),
+        (dict(url="http://x/", launch_args=()), "give exactly one of --url URL and --launch"),
+        (dict(url="localhost:7860"), "--url must start with http:// or https://"),
+        (dict(launch_args=(), pid=123), "--pid is for --url"),
+        (dict(url="http://x/", users=0), "--users must be at least 1, got 0"),
+        (dict(url="http://x/", users=8, requests=7), "--requests must be at least --users (8), got 7"),
+        (dict(url="http://x/", timeout_s=0), "timeout_s must be positive"),
+        (dict(url="http://x/", busy_backoff_s=-1), "busy_backoff_s must be 0 or more"),
+        (dict(url="http://x/", repeat=21), "--repeat must be in 1..20"),
+        (dict(url="http://x/", rss_every=0), "--rss-every must be at least 1"),
+    ],
+)
+def test_options_refuse_what_cannot_run(fields, message):
+    with pytest.raises(ValueError) as e:
+        LoadOptions(**fields)
+    assert message in str(e.value)
+
+
+def test_options_report_every_problem_at_once():
+    with pytest.raises(ValueError) as e:
+        LoadOptions(url="ftp://x/", users=0, warmup=-1)
+    assert str(e.value).count(";") == 2, str(e.value)
+
+
+def test_summary_percentiles_are_linear_and_skip_missing():
+    s = summary([40.0, None, 10.0, 30.0, float("nan"), 20.0])
+    assert s == {"n": 4, "p50": 25.0, "p95": 38.5, "p99": 39.7, "mean": 25.0, "min": 10.0, "max": 40.0}
+    assert summary([None]) is None
+
+
+def test_memory_change_is_from_the_first_checkpoint_to_the_last():
+    samples = [{"finished": 0, "rss_mb": 500.0}, {"finished": 100, "rss_mb": 800.0},
+               {"finished": 200, "rss_mb": 820.0}, {"finished": 300, "rss_mb": 840.0}]
+    assert memory_change(samples, 100) == {"from_finished": 100, "from_mb": 800.0, "to_finished": 300,
+                                           "to_mb": 840.0, "change_mb": 40.0, "change_pct": 5.0}
+    assert memory_change(samples[:2], 100) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# A stub `compare` endpoint in this process: what it does is set per test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stub():
+    import gradio as gr
+
+    mode = {"seconds": 0.0, "error": None, "answer": None}
+
+    def compare(text: str, repeat: int = 1) -> Iterator[dict]:  # gr.api reads its outputs from the annotation
+        end = time.monotonic() + mode["seconds"]
+        while time.monotonic() < end:  # short steps: a cancelled request stops at the next yield
+            time.sleep(0.05)
+            yield {"backends": {}}
+        b = {"error": mode["error"], "runs": {"totals_ms": [mode["seconds"] * 1e3]}}
+        yield mode["answer"] or {"reference": "pytorch", "backends": {"pytorch": b, "ort_int8": dict(b, error=None)}}
+
+    with gr.Blocks() as demo:
+        gr.api(compare, api_name="compare", concurrency_limit=1, concurrency_id="model")
+    demo.queue(max_size=8, default_concurrency_limit=1)
+    port = _free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", mode
+    finally:
+        demo.close()
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def test_a_request_past_its_timeout_is_cancelled_and_counted(stub):
+    url, mode = stub
+    mode.update(seconds=30.0, error=None, answer=None)
+    options = LoadOptions(url=url, users=1, requests=2, timeout_s=0.5, warmup=0, busy_backoff_s=0)
+    start = time.monotonic()
+    r = drive(url, options, pid=None, log=_quiet)
+    elapsed = time.monotonic() - start
+    assert r["counts"]["error"] == 2 and r["counts"]["error_kinds"] == {"timeout": 2}, r["counts"]
+    assert r["counts"]["ok"] == 0 and r["counts"]["unfinished_users"] == []
+    assert all(0.5e3 <= q["end_to_end_ms"] < 5e3 for q in r["requests"]), r["requests"]
+    assert elapsed < 15, f"two 0.5 s timeouts took {elapsed:.1f} s"
+
+
+def test_no_request_is_sent_after_the_deadline(stub):
+    url, mode = stub
+    mode.update(seconds=0.4, error=None, answer=None)
+    options = LoadOptions(url=url, users=2, requests=200, deadline_s=2.0, warmup=0)
+    start = time.monotonic()
+    r = drive(url, options, pid=None, log=_quiet)
+    elapsed = time.monotonic() - start
+    c = r["counts"]
+    assert 1 <= c["sent"] < 200 and c["not_sent"] == 200 - c["sent"], c
+    assert c["finished"] == c["sent"] == c["ok"] and c["error"] == 0, c
+    assert max(q["start_s"] for q in r["requests"]) < 2.0
+    assert elapsed < 2.0 + 10, f"a 2 s deadline took {elapsed:.1f} s"
+
+
+def test_an_answer_naming_a_failed_backend_is_an_error(stub):
+    url, mode = stub
+    mode.update(seconds=0.0, error="failed to load: decoder_fp16.onnx is missing", answer=None)
+    r = drive(url, LoadOptions(url=url, users=1, requests=2, warmup=0), pid=None, log=_quiet)
+    assert r["counts"]["error_kinds"] == {"backend_error": 2} and r["counts"]["ok"] == 0
+    assert r["requests"][0]["message"] == "pytorch: failed to load: decoder_fp16.onnx is missing"
+    assert r["latency_ms"]["end_to_end"] is None  # percentiles are over ok requests only
+
+
+def test_an_answer_without_backends_is_an_error(stub):
+    url, mode = stub
+    mode.update(seconds=0.0, error=None, answer={"reference": "pytorch"})
+    r = drive(url, LoadOptions(url=url, users=1, requests=1, warmup=0), pid=None, log=_quiet)
+    assert r["counts"]["error_kinds"] == {"malformed_answer": 1}, r["requests"]
+    assert r["requests"][0]["message"] == "KeyError: 'backends'"
+
+
+# ---------------------------------------------------------------------------------------------
+# The real app, started and stopped by the benchmark
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """4 users x 24 requests against `python app.py --queue-size 1`: one running, one waiting."""
+    if (EMBEDDED_MODEL / "config.json").is_file():
+        app_args = ["--model", str(EMBEDDED_MODEL)]
+    else:
+        app_args = ["--model", str(request.getfixturevalue("tiny_export_dir")), "--max-new-tokens",
+                    str(TINY_MAX_NEW_TOKENS)]
+    app_args += ["--queue-size", "1", "--threads", "2"]
+    options = LoadOptions(launch_args=tuple(app_args), users=4, requests=24, warmup=1, rss_every=8,
+                          busy_backoff_s=0.2, timeout_s=120, deadline_s=300)
+    out = tmp_path_factory.mktemp("load")
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    return run(options, out, log=_quiet), out
+
+
+def test_every_request_is_ok_busy_or_error_and_none_is_an_error(launched):
+    r, _ = launched
+    c = r["counts"]
+    assert c["ok"] + c["busy"] + c["error"] == c["finished"] == c["sent"] == c["requests"] == 24, c
+    assert c["error"] == 0, r["error_examples"]
+    assert c["ok"] >= 1 and c["busy"] >= 1, c  # 4 users, room for 2: someone is turned away
+    assert r["busy_messages"] == ["Queue is full! Please try again."]
+    assert r["rates"]["busy_rate"] == pytest.approx(c["busy"] / 24, abs=1e-4)
+
+
+def test_percentiles_are_ordered_and_positive(launched):
+    r, _ = launched
+    for phase in ("end_to_end", "queue_wait", "service", "compute"):
+        s = r["latency_ms"][phase]
+        assert s["n"] == r["counts"]["ok"], phase
+        assert 0 < s["min"] <= s["p50"] <= s["p95"] <= s["p99"] <= s["max"], (phase, s)
+
+
+def test_phases_fit_inside_each_request(launched):
+    """Queue wait + service end before the client has the result; the backends' compute happens
+    within the service window (whose ends gradio_client stamps up to 50 ms late)."""
+    r, _ = launched
+    ok = [q for q in r["requests"] if q["outcome"] == "ok"]
+    for q in ok:
+        assert q["queue_wait_ms"] + q["service_ms"] <= q["end_to_end_ms"] + 5, q
+        assert 0 < q["compute_ms"] <= q["service_ms"] + 100, q
+        assert q["rank_on_join"] in (0, 1), q  # queue size 1: next, or behind the one waiting
+        assert q["tokens"] >= 1 and isinstance(q["capped"], list), q
+    for q in r["requests"]:
+        if q["outcome"] == "busy":
+            assert q["kind"] == "QueueError" and q["compute_ms"] is None and q["service_ms"] is None, q
+
+
+def test_app_memory_is_sampled_at_each_checkpoint(launched):
+    r, _ = launched
+    samples = r["memory"]["samples"]
+    assert [s["finished"] for s in samples] == [0, 8, 16, 24]
+    for s in samples:
+        assert "memory_error" not in s, s
+        assert s["rss_mb"] > 50 and s["processes"] >= 1, s
+    assert [s["ok"] + s["busy"] + s["error"] for s in samples[1:]] == [8, 16, 24]
+    change = r["memory"]["change"]
+    assert change["from_finished"] == 8 and change["to_finished"] == 24
+    assert change["change_mb"] == pytest.approx(samples[-1]["rss_mb"] - samples[1]["rss_mb"], abs=0.11)
+    assert r["cpu_s"]["app"] > 0
+
+
+def test_launched_app_is_stopped_cleanly(launched):
+    r, _ = launched
+    stop = r["launched"]["stop"]
+    assert stop["signal"] == "SIGINT" and stop["returncode"] == 0, stop
+    assert not psutil.pid_exists(r["pid"]) or psutil.Process(r["pid"]).status() == psutil.STATUS_ZOMBIE
+
+
+def test_results_and_report_are_written(launched):
+    r, out = launched
+    assert json.loads((out / "results.json").read_text(encoding="utf-8"))["counts"] == r["counts"]
+    report = (out / "report.md").read_text(encoding="utf-8")
+    c = r["counts"]
+    assert f"24 requests: {c['ok']} ok, {c['busy']} busy" in report
+    assert "| end to end | " in report and "Queue is full! Please try again." in report
+
+
+def test_the_user_threads_are_gone(launched):
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("load-user-")]
