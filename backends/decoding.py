@@ -195,7 +195,9 @@ def forced_scores(
     all_logits, logprobs, ranks, tops, top_lps = [], [], [], [], []
     for token in target_ids:
         logits = np.asarray(model.step(state, decoder_ids), dtype=np.float32)  # (1, V)
-        all_logits.append(logits[0])
+        # A copy: the row may be a view of a (1, t, V) output (the single-step graph returns every
+        # position), and keeping views kept all of them alive: 8 GB for 511 steps of a 15k vocabulary.
+        all_logits.append(logits[0].copy())
         lp = log_softmax(logits)[0]
         logprobs.append(float(lp[token]))
         ranks.append(int((lp > lp[token]).sum()))

@@ -198,3 +198,31 @@ def test_fast_top_k_equals_a_full_sort(kind):
             x[:, 0] = 0.0  # a NaN row as the loop rewrites it: only eos is finite
         for k in (1, 5, 7):
             assert np.array_equal(_top_k(x, k), _top_k_reference(x, k)), (vocab, k)
+
+
+def test_forced_scoring_keeps_no_full_output_alive():
+    """The single-step graph returns logits for every position; forced scoring keeps one row per step.
+    Holding views instead kept every (1, t, V) output alive: 8 GB for 511 steps of a 15k vocabulary."""
+    import gc
+    import weakref
+
+    from backends.decoding import forced_scores
+    from backends.manifest import SpecialTokens
+
+    vocab, refs, alive = 1000, [], []
+
+    class AllPositions:  # a StepModel shaped like the single-step graph
+        def encode(self, input_ids, attention_mask):
+            return None
+
+        def step(self, state, decoder_ids):
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+            full = np.random.default_rng(decoder_ids.shape[1]).standard_normal((1, decoder_ids.shape[1], vocab), np.float32)
+            refs.append(weakref.ref(full))
+            return full[:, -1, :]  # (1, V), a view, as the backend returns it
+
+    special = SpecialTokens(pad=vocab - 1, eos=0, unk=1, decoder_start=vocab - 1, bad_words_ids=(vocab - 1,))
+    out = forced_scores(AllPositions(), np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), special, list(range(2, 42)))
+    assert out.logits.shape == (40, vocab)
+    assert max(alive) <= 1, f"up to {max(alive)} full outputs were alive at once"
