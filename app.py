@@ -29,6 +29,7 @@ import gradio as gr
 
 from backends import BACKEND_NAMES, REFERENCE, InputError
 from backends.compare import MAX_REPEAT, RequestLimits, compare_iter, plan, segments_json, to_json
+from backends.memory import trim_heap
 from ui import benchmark_tab, spotcheck_tab
 
 logger = logging.getLogger("app")
@@ -609,6 +610,8 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             except InputError as e:
                 yield (f"⚠️ **{e}**", *[""] * len(names), *initial_panels(), "", "", None, None, None, None)
                 return
+            finally:
+                trim_heap()  # one long request must not leave the process at its high-water mark
             n_ok = sum(1 for b in results.values() if not b.get("error"))
             runs = f", {int(n_repeat)} runs each" if n_repeat > 1 else ""
             yield frame(f"{split}Done: {n_ok}/{len(names)} backends translated{runs}.", results, None, segments)
@@ -625,6 +628,8 @@ def build_app(loaded: Loaded) -> gr.Blocks:
                     yield to_json(results, REFERENCE)
             except (InputError, ValueError) as e:
                 raise gr.Error(str(e)) from e
+            finally:
+                trim_heap()
 
         # One model run at a time across the page and the API: both share the "model" slot.
         events = dict(

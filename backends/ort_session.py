@@ -47,8 +47,10 @@ class SessionConfig:
         return self.threads or physical_cores()
 
 
-def create_session(path: Path, config: SessionConfig) -> "ort.InferenceSession":
+def create_session(path: Path, config: SessionConfig, memory_arena: bool = True) -> "ort.InferenceSession":
     options = ort.SessionOptions()
+    # The arena keeps every block it ever grew to; off where tensor sizes grow with each call.
+    options.enable_cpu_mem_arena = memory_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = config.resolved_threads()
     # One request at a time per process: a second inter-op pool would only compete for the cores.

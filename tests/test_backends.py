@@ -226,3 +226,13 @@ def test_forced_scoring_keeps_no_full_output_alive():
     out = forced_scores(AllPositions(), np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), special, list(range(2, 42)))
     assert out.logits.shape == (40, vocab)
     assert max(alive) <= 1, f"up to {max(alive)} full outputs were alive at once"
+
+
+def test_single_step_session_runs_without_an_arena_and_the_heap_can_be_trimmed(tiny_backends):
+    from backends.memory import trim_heap
+
+    single = tiny_backends["ort_fp32_single_step"].model.session
+    assert single.get_session_options().enable_cpu_mem_arena is False  # sizes grow every step
+    kv = tiny_backends["ort_fp32_kv_cache"].model.decoder
+    assert kv.get_session_options().enable_cpu_mem_arena is True
+    assert trim_heap() is True  # glibc here: the app gives free heap back after each request
