@@ -14,7 +14,7 @@ from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "marian-onnx-export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
 

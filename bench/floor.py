@@ -5,10 +5,11 @@ output layer: each weight byte is read once per token and there is too little ar
 the reads. So no runtime can beat (bytes of weights read per step) / (read bandwidth), and how
 close a backend's per-token time comes to it says how much is left to gain.
 
-Bandwidth is measured with two read-bound kernels over 512 MB of float32 (far more than any
-cache), with the benchmark's thread count: ONNX Runtime's ReduceSum, and a matrix-vector product
-through numpy's BLAS (the very shape of a batch-1 decode step). Each is the median of 7 passes
-after a warm-up; the faster of the two sets the floor, so the floor errs on the demanding side. Bytes per step are the decoder graph's initializers (all of them are read every step,
+Bandwidth is measured with read-bound kernels over 512 MB of float32 (far more than any cache),
+with the benchmark's thread count: ONNX Runtime's ReduceSum, and matrix-vector products through
+numpy's BLAS and, when installed, PyTorch (the very shape of a batch-1 decode step). Each is the
+median of 7 passes after a warm-up; the fastest sets the floor, so the floor errs on the
+demanding side. Bytes per step are the decoder graph's initializers (all of them are read every step,
 the tied embedding/output table included; the cross-attention keys/values come from the encoder
 once per sentence and are not weights).
 """
@@ -56,9 +57,24 @@ def read_bandwidth_gbps(threads: int, mb: int = PROBE_MB, passes: int = 7) -> di
     w = np.ones((mb * 2**20 // 4 // 2048, 2048), dtype=np.float32)  # (n, 2048)
     v = np.ones(2048, dtype=np.float32)
     probes["numpy_blas_gemv"] = _median_gbps(lambda: w @ v, mb, passes)
+    del w
+    try:  # PyTorch's matrix-vector product reads faster than numpy's BLAS here; use it when present
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            wt = torch.ones(mb * 2**20 // 4 // 2048, 2048)
+            vt = torch.ones(2048)
+            probes["torch_mv"] = _median_gbps(lambda: torch.mv(wt, vt), mb, passes)
+            del wt
+        finally:
+            torch.set_num_threads(before)
     best = max(probes.values(), key=lambda p: p["gb_per_s"])
     return {"gb_per_s": best["gb_per_s"], "probes": probes, "probe_mb": mb, "passes": passes, "threads": threads,
-            "note": "numpy's BLAS runs with its default thread count (every core)"}
+            "note": "numpy's BLAS runs with its default thread count (every core); torch and ORT with `threads`"}
 
 
 def weight_bytes(path: Path) -> int:
@@ -88,3 +104,34 @@ def floors(export_dir: Path, manifest, threads: int) -> dict:
             "floor_ms_per_token": round(nbytes / 2**30 / bw["gb_per_s"] * 1e3, 4),
         }
     return out
+
+
+def update(results_dir: Path, threads: int | None = None) -> dict:
+    """Measure the floor again into an existing speed run (results.json, report.md), stamped."""
+    import datetime as dt
+    import json
+
+    from backends import load_manifest
+
+    from . import report
+    from .speed import targets
+
+    path = Path(results_dir) / "results.json"
+    results = json.loads(path.read_text(encoding="utf-8"))
+    export_dir = Path(results["model"]["export"])
+    env = results["environment"]
+    env["floor"] = floors(export_dir, load_manifest(export_dir), threads or results["options"]["threads"])
+    env["floor"]["measured_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    results["targets"] = targets(results)
+    report.write(results, Path(results_dir))
+    return results
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="re-measure the memory-bandwidth floor into a speed run")
+    parser.add_argument("results_dir", type=Path)
+    args = parser.parse_args()
+    floor = update(args.results_dir)["environment"]["floor"]
+    print({k: v["gb_per_s"] for k, v in floor["bandwidth"]["probes"].items()}, floor["graphs"])

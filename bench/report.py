@@ -111,7 +111,8 @@ def render_speed(results: dict) -> str:
         probes = ", ".join(f"{k} {v['gb_per_s']} GB/s" for k, v in fl["bandwidth"]["probes"].items())
         out += ["", "## Memory-bandwidth floor (batch 1)", "",
                 f"Read bandwidth, {fl['bandwidth']['threads']} threads, {fl['bandwidth']['probe_mb']} MB, median of "
-                f"{fl['bandwidth']['passes']}: {probes}; the faster sets the floor. A decoder step reads every weight "
+                f"{fl['bandwidth']['passes']}" + (f", measured again at {fl['measured_at']}" if fl.get("measured_at") else "")
+                + f": {probes}; the fastest sets the floor. A decoder step reads every weight "
                 "once, so per token no runtime can beat weight bytes / bandwidth (bench/floor.py).", "",
                 "| decoder graph | weights read per step MB | floor ms/token |", "|---|---:|---:|"]
         out += [f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} |" for g, v in fl["graphs"].items()]
