@@ -111,7 +111,7 @@ def test_tied_output_layer_is_stored_once_pre_transposed(tiny_export_dir):
     for name in ("full", "decoder"):
         graph = onnx.load(str(manifest.graph_path(name))).graph
         inits = {i.name: i for i in graph.initializer}
-        tables = [i for i in inits.values() if vocab in i.dims]
+        tables = [i for i in inits.values() if sorted(i.dims) == sorted([d, vocab])]  # not the (1, V) bias
         assert [list(t.dims) for t in tables] == [[d, vocab]], name  # one copy, (d, V)
         transposed = [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
         assert transposed == [], name  # nothing left for ORT to fold into a second copy
@@ -120,14 +120,15 @@ def test_tied_output_layer_is_stored_once_pre_transposed(tiny_export_dir):
 
 def test_int8_graphs_read_int8_embeddings_and_output_layer(tiny_export_dir):
     manifest = load_manifest(tiny_export_dir)
-    vocab = manifest.data["model"]["vocab_size"]
+    vocab, d = manifest.data["model"]["vocab_size"], manifest.data["model"]["d_model"]
+    table_shape = sorted([d, vocab])  # (V, d) or (d, V); not the (1, V) final_logits_bias
     for name in ("encoder_int8", "decoder_int8"):
         graph = onnx.load(str(manifest.graph_path(name))).graph
         assert _float_tables_read_by(graph, "Gather") == [], name
-        tables = [i for i in graph.initializer if vocab in i.dims and len(i.dims) == 2]
+        tables = [i for i in graph.initializer if sorted(i.dims) == table_shape]
         assert [t.data_type for t in tables] == [onnx.TensorProto.INT8], name
     decoder = onnx.load(str(manifest.graph_path("decoder_int8"))).graph
-    table = next(i.name for i in decoder.initializer if vocab in i.dims and len(i.dims) == 2)
+    table = next(i.name for i in decoder.initializer if sorted(i.dims) == table_shape)
     readers = {n.op_type for n in decoder.node if table in n.input}
     assert readers == {"Gather", "MatMulInteger"}  # the embedding and the output layer share it
 
