@@ -30,14 +30,20 @@ def _rank(graph: onnx.GraphProto, name: str) -> int | None:
     return None
 
 
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """tensor name -> the nodes that read it"""
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            out.setdefault(name, []).append(node)
+    return out
+
+
 def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
     """Rewrite in place; returns what changed (empty `weights` when there was nothing to do)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers = _readers(graph)
 
     done = []
     for tr in [n for n in graph.node if n.op_type == "Transpose"]:
@@ -115,10 +121,7 @@ def quantize_gathers(model: onnx.ModelProto) -> dict:
     """
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = _readers(graph)
 
     done = []
     for g in [n for n in graph.node if n.op_type == "Gather"]:
