@@ -29,7 +29,7 @@ import gradio as gr
 
 from backends import BACKEND_NAMES, REFERENCE, InputError
 from backends.compare import MAX_REPEAT, RequestLimits, compare_iter, plan, segments_json, to_json
-from backends.memory import trim_heap
+from backends.memory import limit_arenas, trim_heap
 from ui import benchmark_tab, spotcheck_tab
 
 logger = logging.getLogger("app")
@@ -696,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-seconds", type=float, default=limits.max_seconds, help="time one backend may take on one request"
     )
     args = parser.parse_args(argv)
+    limit_arenas()  # before gradio's worker threads allocate: see backends/memory.py
     try:
         limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds)
     except ValueError as e:

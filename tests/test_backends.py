@@ -236,3 +236,46 @@ def test_single_step_session_runs_without_an_arena_and_the_heap_can_be_trimmed(t
     kv = tiny_backends["ort_fp32_kv_cache"].model.decoder
     assert kv.get_session_options().enable_cpu_mem_arena is True
     assert trim_heap() is True  # glibc here: the app gives free heap back after each request
+
+
+_ARENA_PROBE = """
+import ctypes, os, re, sys, tempfile, threading
+sys.path.insert(0, {root!r})
+from backends.memory import limit_arenas
+if {limit}:
+    assert limit_arenas(2) is True
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()  # all at once, as gradio's workers do under load
+    for _ in range(200):
+        libc.malloc(4096)  # leaked on purpose: a short-lived probe process
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+libc.fdopen.restype = ctypes.c_void_p
+with tempfile.TemporaryFile() as f:
+    fp = libc.fdopen(os.dup(f.fileno()), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(fp)); libc.fclose(ctypes.c_void_p(fp))
+    f.seek(0)
+    print(len(re.findall(rb"<heap nr=", f.read())))
+"""
+
+
+@pytest.mark.parametrize("limit", [False, True])
+def test_limit_arenas_keeps_worker_threads_in_two_malloc_arenas(limit):
+    # Each arena keeps its own fragments; the app caps them so RSS stays flat under load.
+    out = subprocess.run([sys.executable, "-c", _ARENA_PROBE.format(root=str(REPO), limit=limit)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    arenas = int(out.strip())
+    if limit:
+        assert arenas <= 2
+    else:
+        assert arenas > 2  # the probe can tell: without the cap, the 8 threads spread out
+
+
+def test_limit_arenas_rejects_nonsense():
+    from backends.memory import limit_arenas
+
+    with pytest.raises(ValueError, match="at least 1"):
+        limit_arenas(0)
