@@ -180,10 +180,10 @@ def test_ort_backends_never_import_torch(tiny_export_dir):
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "masked", "one_finite"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "masked", "one_finite", "mixed", "nan"])
 def test_fast_top_k_equals_a_full_sort(kind):
     """The decoding loop's blockwise top-k against the definition: a stable sort by (-value, id)."""
-    from backends.decoding import _top_k, _top_k_reference
+    from backends.decoding import _BLOCK, _top_k, _top_k_reference
 
     rng = np.random.default_rng(7)
     for vocab in (65001, 15123, 4000):
@@ -196,6 +196,13 @@ def test_fast_top_k_equals_a_full_sort(kind):
         elif kind == "one_finite":
             x[:] = -np.inf
             x[:, 0] = 0.0  # a NaN row as the loop rewrites it: only eos is finite
+        elif kind == "mixed":  # rows sorted together and rows sorted alone, in one call
+            x[1] = np.round(x[1])
+            x[3, -5:] = x.max() + 1  # the tail block in the batched path
+            x[4, 0] = x[4, vocab // _BLOCK] = x[4].max() + 1  # block j holds ids j, j + n, ...: two best in one
+        elif kind == "nan":  # a NaN next to the row's best entries
+            x[:, 1] = np.nan
+            x[::2, 1 + vocab // _BLOCK] = np.nanmax(x) + 1  # in the NaN's block
         for k in (1, 5, 7):
             assert np.array_equal(_top_k(x, k), _top_k_reference(x, k)), (vocab, k)
 
