@@ -5,10 +5,11 @@ Two glibc behaviours do it:
 - Freed blocks stay in the heap for reuse, so one long request (a 256-token output, a long text)
   leaves resident memory at its high-water mark. `trim_heap()` (malloc_trim) after each request
   returns the free part; it costs a few milliseconds and changes nothing still in use.
-- Every thread that allocates under contention gets an arena of its own, up to 8 per core. Gradio
-  runs each step of a streaming endpoint on whichever worker thread is free, so a request's
-  tensors land in a different arena each time, and each arena keeps its own fragments: in-process
-  replays of the load test reached 16 arenas and +40% RSS in 60 requests. `limit_arenas()` caps
+- Each new thread that allocates gets an arena of its own, up to 8 per core. Gradio runs each
+  step of a streaming endpoint on whichever worker thread is free, so a request's tensors land in
+  a different arena each time, and each arena keeps its own fragments: an in-process replay of the
+  load test reached 16 arenas and went 681 -> 1,244 MB in 120 requests (661 -> 884 MB, flat from
+  request 60, with two). `limit_arenas()` caps
   them (mallopt M_ARENA_MAX, what MALLOC_ARENA_MAX=2 does), which must happen before the threads
   start allocating: the app calls it first thing.
 """
@@ -20,7 +21,7 @@ import ctypes.util
 import functools
 
 _M_ARENA_MAX = -8  # <malloc.h>
-ARENAS = 2  # one per core here; the main arena plus one for the worker threads' overlap
+ARENAS = 2  # the main arena plus one that every other thread shares
 
 
 @functools.cache

@@ -196,9 +196,9 @@ def test_fast_top_k_equals_a_full_sort(kind):
         elif kind == "one_finite":
             x[:] = -np.inf
             x[:, 0] = 0.0  # a NaN row as the loop rewrites it: only eos is finite
-        elif kind == "mixed":  # rows sorted together and rows sorted alone, in one call
+        elif kind == "mixed":  # tied and untied rows in one call
             x[1] = np.round(x[1])
-            x[3, -5:] = x.max() + 1  # the tail block in the batched path
+            x[3, -5:] = x.max() + 1  # the best entries in the ragged tail block, one row only
             x[4, 0] = x[4, vocab // _BLOCK] = x[4].max() + 1  # block j holds ids j, j + n, ...: two best in one
         elif kind == "nan":  # a NaN next to the row's best entries
             x[:, 1] = np.nan
