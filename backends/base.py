@@ -112,7 +112,9 @@ class Backend:
         start = time.perf_counter()
         batch = self.tokenizer.encode(texts, self.manifest.max_source_tokens)
         tokenize_ms = (time.perf_counter() - start) * 1e3
-        results = greedy_decode(self.model, batch.input_ids, batch.attention_mask, self.special, options)
+        # The loop scores each step's logits on as many threads as the engine itself uses.
+        threads = int(self.info.get("threads") or 1)
+        results = greedy_decode(self.model, batch.input_ids, batch.attention_mask, self.special, options, threads)
         translations = []
         for r in results:
             timings = dict(r.timings_ms)

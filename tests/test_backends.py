@@ -207,6 +207,33 @@ def test_fast_top_k_equals_a_full_sort(kind):
             assert np.array_equal(_top_k(x, k), _top_k_reference(x, k)), (vocab, k)
 
 
+@pytest.mark.parametrize("batch", [4, 9, 32])
+def test_scoring_a_step_on_threads_equals_one_thread(batch):
+    """score_step cuts the batch into row blocks on threads: every output must equal the
+    one-thread result, including the masks, rows that are already finished and NaN rows."""
+    from backends.decoding import score_step
+
+    rng = np.random.default_rng(batch)
+    vocab, eos, bad = 65001, 0, np.array([65000])
+    x = rng.standard_normal((batch, vocab)).astype(np.float32)
+    x[1, 17] = np.nan  # reported as non-finite, rewritten to end at eos
+    x[2, 5] = np.inf
+    x[3] = np.round(x[3])  # ties
+    finished = np.zeros(batch, bool)
+    finished[batch - 1] = True
+    x[batch - 1, 3] = np.nan  # a finished row is reported but left alone
+    for mask_eos in (False, True):
+        one, many = x.copy(), x.copy()
+        a = score_step(one, finished, bad, mask_eos, eos, 5, threads=1)
+        b = score_step(many, finished, bad, mask_eos, eos, 5, threads=3)
+        for u, v in zip(a, b):
+            assert u.shape == v.shape and np.array_equal(u, v, equal_nan=True)
+        assert np.array_equal(one, many, equal_nan=True)  # the same masks written in place
+        assert a[0].tolist() == [i in (1, 2, batch - 1) for i in range(batch)]
+        assert a[2][1, 0] == eos and np.isneginf(one[1, 1:]).all()  # the NaN row ends at eos
+        assert (a[2][:, 0] != 65000).all() and (not mask_eos or (a[2][[0, 3], 0] != eos).all())
+
+
 def test_forced_scoring_keeps_no_full_output_alive():
     """The single-step graph returns logits for every position; forced scoring keeps one row per step.
     Holding views instead kept every (1, t, V) output alive: 8 GB for 511 steps of a 15k vocabulary."""
