@@ -13,6 +13,7 @@ from pathlib import Path
 from .base import Backend, DecodeOptions, ForcedScores, StepScore, Translation
 from .manifest import Manifest, ManifestError, load_manifest
 from .ort_session import SessionConfig
+from .shared_tables import SharedTables
 from .tokenizer import InputError, MarianTokenizerWrapper
 
 logger = logging.getLogger("backends")
@@ -23,29 +24,32 @@ APPROXIMATE = ("ort_fp16", "ort_int8")
 REFERENCE = "pytorch"
 
 
-def _build(name: str, manifest: Manifest, tokenizer: MarianTokenizerWrapper, session: SessionConfig) -> Backend:
+def _build(
+    name: str, manifest: Manifest, tokenizer: MarianTokenizerWrapper, session: SessionConfig, tables: SharedTables
+) -> Backend:
     if name == "pytorch":
         from . import pytorch
 
         source = pytorch.source_model_of(manifest)
         model = pytorch.TorchStepModel(source, threads=session.threads)
+        pytorch.offer_tables(model, tables)
         return Backend(name, model, tokenizer, manifest, pytorch.info(model, source))
     if name == "ort_fp32_single_step":
         from .ort_single_step import FullGraphStepModel
 
-        model = FullGraphStepModel(manifest, session)
+        model = FullGraphStepModel(manifest, session, tables)
     elif name == "ort_fp32_kv_cache":
         from .ort_kv_cache import KVCacheStepModel
 
-        model = KVCacheStepModel(manifest, session, "encoder", "decoder")
+        model = KVCacheStepModel(manifest, session, "encoder", "decoder", tables)
     elif name == "ort_fp16":
         from .ort_kv_cache import KVCacheStepModel
 
-        model = KVCacheStepModel(manifest, session, "encoder_fp16", "decoder_fp16")
+        model = KVCacheStepModel(manifest, session, "encoder_fp16", "decoder_fp16", tables)
     elif name == "ort_int8":
         from .ort_kv_cache import KVCacheStepModel
 
-        model = KVCacheStepModel(manifest, session, "encoder_int8", "decoder_int8")
+        model = KVCacheStepModel(manifest, session, "encoder_int8", "decoder_int8", tables)
     else:
         raise ValueError(f"unknown backend {name!r}; expected one of: {', '.join(BACKEND_NAMES)}")
     return Backend(name, model, tokenizer, manifest, model.info)
@@ -63,9 +67,13 @@ def _prepare(export_dir, names):
 def load_backends(
     export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES, session: SessionConfig = SessionConfig()
 ) -> dict[str, Backend]:
-    """Load the named backends in `BACKEND_NAMES` order; any failure raises."""
+    """Load the named backends in `BACKEND_NAMES` order; any failure raises.
+
+    Backends loaded together share identical lookup tables (`shared_tables`).
+    """
     manifest, tokenizer = _prepare(export_dir, names)
-    return {n: _build(n, manifest, tokenizer, session) for n in BACKEND_NAMES if n in names}
+    tables = SharedTables()
+    return {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
 
 
 def try_load_backends(
@@ -76,12 +84,13 @@ def try_load_backends(
     A broken manifest or tokenizer still raises: no backend can run without them.
     """
     manifest, tokenizer = _prepare(export_dir, names)
+    tables = SharedTables()
     loaded, failed = {}, {}
     for n in BACKEND_NAMES:
         if n not in names:
             continue
         try:
-            loaded[n] = _build(n, manifest, tokenizer, session)
+            loaded[n] = _build(n, manifest, tokenizer, session, tables)
         except Exception as e:  # reported to the user per backend, never swallowed
             logger.warning("backend %s failed to load: %s", n, e)
             failed[n] = f"{type(e).__name__}: {e}"

@@ -35,10 +35,10 @@ def _value(array: np.ndarray) -> ort.OrtValue:
 
 
 class KVCacheStepModel:
-    def __init__(self, manifest, config: SessionConfig, encoder: str = "encoder", decoder: str = "decoder"):
+    def __init__(self, manifest, config: SessionConfig, encoder: str = "encoder", decoder: str = "decoder", tables=None):
         enc_path, dec_path = manifest.verify_graph(encoder), manifest.verify_graph(decoder)
-        self.encoder = create_session(enc_path, config)
-        self.decoder = create_session(dec_path, config)
+        self.encoder = create_session(enc_path, config, tables=tables)
+        self.decoder = create_session(dec_path, config, tables=tables)
         model = manifest.data["model"]
         self.layers = model["decoder_layers"]
         self.heads = model["decoder_attention_heads"]

@@ -47,8 +47,17 @@ class SessionConfig:
         return self.threads or physical_cores()
 
 
-def create_session(path: Path, config: SessionConfig, memory_arena: bool = True) -> "ort.InferenceSession":
+def create_session(
+    path: Path, config: SessionConfig, memory_arena: bool = True, tables=None
+) -> "ort.InferenceSession":
+    """`tables`: a `shared_tables.SharedTables`; the graph's large lookup tables then use its copies."""
     options = ort.SessionOptions()
+    shared = []
+    if tables is not None:
+        for name, array in tables.for_graph(path).items():
+            value = ort.OrtValue.ortvalue_from_numpy(array)  # a view: `array` is kept alive by `tables`
+            options.add_initializer(name, value)
+            shared.append(value)
     # The arena keeps every block it ever grew to; off where tensor sizes grow with each call.
     options.enable_cpu_mem_arena = memory_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -61,7 +70,9 @@ def create_session(path: Path, config: SessionConfig, memory_arena: bool = True)
     # 6.4 ms on 1 thread, 6.7-7.4 ms on 2 with spinning, 4.2-4.7 ms on 2 without. Batch-1 step
     # times did not move measurably either way.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=options, providers=config.providers())
+    session = ort.InferenceSession(str(path), sess_options=options, providers=config.providers())
+    session._shared_initializers = shared  # must outlive the session (ORT does not own them)
+    return session
 
 
 def session_info(session: "ort.InferenceSession", path: Path, config: SessionConfig, precision: str) -> dict:

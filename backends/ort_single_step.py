@@ -19,11 +19,11 @@ class _State:
 
 
 class FullGraphStepModel:
-    def __init__(self, manifest, config: SessionConfig):
+    def __init__(self, manifest, config: SessionConfig, tables=None):
         path = manifest.verify_graph("full")
         # No arena: every step's tensors are larger than the last (logits are (b, t, V)), so an arena
         # only grows; one 256-token output left 100 MB behind in it (bench load found it).
-        self.session = create_session(path, config, memory_arena=False)
+        self.session = create_session(path, config, memory_arena=False, tables=tables)
         self.info = session_info(self.session, path, config, "fp32")
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:

@@ -56,6 +56,15 @@ class TorchStepModel:
         return out.logits[:, -1, :].float().numpy()  # (b, V)
 
 
+def offer_tables(step_model: TorchStepModel, tables) -> None:
+    """Offer the model's large parameters (the (V, d) embedding) to ORT graphs holding the same numbers."""
+    seen = set()
+    for p in step_model.model.parameters():
+        if p.dtype == torch.float32 and p.is_contiguous() and p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            tables.offer(p.detach().numpy())  # a view of the weights, no copy
+
+
 def source_model_of(manifest) -> Path | str:
     """The PyTorch weights behind an export: the folder recorded at export, or its hub id."""
     source = manifest.data["source_model"]

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from backends import BACKEND_NAMES, DecodeOptions, InputError, ManifestError, SessionConfig, load_backends
+from backends import BACKEND_NAMES, DecodeOptions, InputError, ManifestError, SessionConfig, load_backends, load_manifest
 from conftest import REPO, dev_sentences
 
 FP32 = ("ort_fp32_single_step", "ort_fp32_kv_cache")
@@ -232,6 +232,51 @@ def test_scoring_a_step_on_threads_equals_one_thread(batch):
         assert a[0].tolist() == [i in (1, 2, batch - 1) for i in range(batch)]
         assert a[2][1, 0] == eos and np.isneginf(one[1, 1:]).all()  # the NaN row ends at eos
         assert (a[2][:, 0] != 65000).all() and (not mask_eos or (a[2][[0, 3], 0] != eos).all())
+
+
+def test_shared_tables_match_by_content_never_by_shape_alone():
+    from backends.shared_tables import SharedTables
+
+    tables = SharedTables(min_bytes=0)
+    rng = np.random.default_rng(0)
+    offered = rng.standard_normal((50, 8)).astype(np.float32)
+    tables.offer(offered)
+    other = offered.copy()
+    other[3, 4] += 1e-6  # one number differs: must not be shared
+    assert tables.canonical(other) is not offered and np.array_equal(tables.canonical(other), other)
+    assert tables.canonical(offered.copy()) is offered  # the same numbers: the offered copy
+    assert tables.canonical(offered.astype(np.float64)).dtype == np.float64  # dtype is part of the match
+
+
+def test_backends_loaded_together_hold_one_copy_of_each_table(tiny_export_dir):
+    """PyTorch's (V, d) embedding is the fp32 encoder's table; the tied (d, V) table is one buffer
+    for the single-step graph and the KV decoder. Outputs stay identical to unshared sessions."""
+    from backends import pytorch
+    from backends.ort_kv_cache import KVCacheStepModel
+    from backends.ort_single_step import FullGraphStepModel
+    from backends.shared_tables import SharedTables
+
+    manifest = load_manifest(tiny_export_dir)
+    tables = SharedTables(min_bytes=0)
+    torch_model = pytorch.TorchStepModel(pytorch.source_model_of(manifest))
+    pytorch.offer_tables(torch_model, tables)
+    kv = KVCacheStepModel(manifest, SessionConfig(), "encoder", "decoder", tables)
+    single = FullGraphStepModel(manifest, SessionConfig(), tables)
+
+    def pointers(session):
+        return {v.data_ptr() for v in session._shared_initializers}
+
+    embedding = torch_model.model.get_input_embeddings().weight.data_ptr()
+    assert embedding in pointers(kv.encoder)
+    assert pointers(kv.decoder) and pointers(kv.decoder) <= pointers(single.session)
+
+    private = KVCacheStepModel(manifest, SessionConfig(), "encoder", "decoder")
+    ids = np.array([[5, 9, 13, 2, 0]], np.int64)
+    mask = np.ones_like(ids)
+    start = np.full((1, 1), manifest.special.decoder_start, np.int64)
+    a = kv.step(kv.encode(ids, mask), start)
+    b = private.step(private.encode(ids, mask), start)
+    assert np.array_equal(a, b)
 
 
 def test_forced_scoring_keeps_no_full_output_alive():
