@@ -41,7 +41,7 @@ runs/fixtures/opus-mt-random/config.json: | setup
 	$(PY) -m export.fixtures opus-mt-random --out runs/fixtures/opus-mt-random --force
 
 bench-opus: setup bench-venv runs/fixtures/opus-mt-random/config.json
-	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --peers --out bench-results/opus-mt-random
+	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --peers --rounds 3 --out bench-results/opus-mt-random
 
 clean:
 	rm -rf exports runs test-artifacts .pytest_cache

@@ -39,7 +39,8 @@ def speed(args) -> int:
     pairs = sentences_arg(args.sentences)
     export_dir = resolve_model(args.model, threads=args.threads)
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
-                  warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor)
+                  warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor,
+                  rounds=args.rounds)
     if args.quick:
         fields.update(speed_mod.QUICK)
     for name in ("latency_sentences", "throughput_sentences", "sweep_sentences"):
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     sp.add_argument("--warmup", type=int, default=3)
     sp.add_argument("--timeout", type=int, default=3600, help="seconds per runtime")
     sp.add_argument("--no-floor", action="store_true", help="skip the memory-bandwidth floor (1 GB, a few seconds)")
+    sp.add_argument("--rounds", type=int, default=1, help="run every runtime N times, round-robin, and report the "
+                    "medians: ratios that survive this machine's drift")
     sp.add_argument("--out", type=Path)
     sp.set_defaults(func=speed)
 

@@ -57,8 +57,13 @@ def render_speed(results: dict) -> str:
         ("Output length: forced to " f"{forced} tokens for every runtime (min_new_tokens = max_new_tokens)."
          if forced else f"Output length: up to eos, capped at {o['max_new_tokens']} tokens."),
         f"Reference for ratios and agreement: `{ref}`. Greedy search everywhere.",
-        "",
     ]
+    if o.get("rounds", 1) > 1:
+        out.append(
+            f"Rounds: {o['rounds']}, round-robin (every runtime once, then again); timings are the medians over "
+            "the rounds, peak RSS the maximum; the output-length sweep is from round 1. Per-round figures below."
+        )
+    out += [""]
     out += _env_lines(results) + [""]
     bs = o["batch_sizes"]
     head = ["runtime", "precision", "load s", "b1 p50 ms", "p90", "p99", "mean", "ms/token", "p50 vs ref"]
@@ -94,6 +99,12 @@ def render_speed(results: dict) -> str:
         if r.get("tokenization_mismatches"):
             out.append(f"- `{name}` tokenized {len(r['tokenization_mismatches'])} sentences differently from the "
                        "project's tokenizer: its timings are for slightly different inputs")
+    if any(r.get("rounds") for r in runtimes.values()):
+        out += ["", "Per round (batch-1 p50 ms / batch-" f"{bs[-1]} sentences/s), in the order they ran:", ""]
+        for name, r in runtimes.items():
+            if r.get("rounds"):
+                per = ", ".join(f"{x['b1_p50_ms']:,.1f} / {x.get(f'b{bs[-1]}_sent_per_s', float('nan')):.2f}" for x in r["rounds"])
+                out.append(f"- `{name}`: {per}")
     out += ["", "What the runtimes are:", ""]
     for name, r in runtimes.items():
         i = r["info"]

@@ -39,10 +39,16 @@ class SpeedOptions:
     warmup: int = 3
     timeout_s: int = 3600  # per runtime subprocess
     floor: bool = True  # measure read bandwidth after the runs: the batch-1 per-token floor
+    # Every runtime is run this many times, round-robin (all runtimes, then all again), and the
+    # medians are reported. This machine's speed drifts by up to 2x over minutes (a shared host
+    # with a 300 MiB L3), so one slot per runtime can put a whole ratio on a slow minute.
+    rounds: int = 1
 
     def __post_init__(self):
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
         if self.forced_tokens is not None and not 1 <= self.forced_tokens <= 511:
             raise ValueError(f"forced_tokens must be in 1..511, got {self.forced_tokens}")
         if any(b < 1 for b in self.batch_sizes):
@@ -159,15 +165,11 @@ def run(
     make_spec(sentences, lengths, options, sweep=False, ids=ids).save(spec_nosweep_path)
     started = time.perf_counter()
 
-    runtimes, failed = {}, {}
+    jobs = []  # (name, command without --spec/--out, whether it times the sweep, extra result fields)
     for name in backend_names:
-        log(f"{name}: running in its own process ...")
-        out_json = out_dir / "logs" / f"{name}.json"
-        cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir),
-               "--spec", str(spec_path), "--out", str(out_json)]
-        r = _run_subprocess(cmd, out_json, out_dir / "logs" / f"{name}.log", options.threads, options.timeout_s)
-        _collect(name, r, runtimes, failed, log)
-
+        cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir)]
+        jobs.append((name, cmd, True, {}))
+    failed = {}
     if peer_names:
         source = Path(manifest.data["source_model"].get("path") or "")
         prepared = {}
@@ -186,16 +188,35 @@ def run(
             failed[name] = prepared.pop(name)["error"]
             log(f"{name}: {failed[name].splitlines()[0]}")
         for name, prep in prepared.items():
-            log(f"{name}: running in its own process ...")
             python = sys.executable if name in peers_mod.IN_PROJECT_ENV else str(peer_python)
-            out_json = out_dir / "logs" / f"{name}.json"
-            cmd = [python, "-m", "bench.peers", "worker", "--peer", name, "--model-dir", prep["dir"],
-                   "--source", str(source), "--spec", str(spec_path if options.sweep_peers else spec_nosweep_path),
-                   "--out", str(out_json)]
-            r = _run_subprocess(cmd, out_json, out_dir / "logs" / f"{name}.log", options.threads, options.timeout_s)
-            if "error" not in r:
-                r["conversion"] = {k: v for k, v in prep.items() if k != "dir"}
-            _collect(name, r, runtimes, failed, log)
+            cmd = [python, "-m", "bench.peers", "worker", "--peer", name, "--model-dir", prep["dir"], "--source", str(source)]
+            extra = {"conversion": {k: v for k, v in prep.items() if k != "dir"}}
+            jobs.append((name, cmd, options.sweep_peers, extra))
+
+    per_round: dict[str, list[dict]] = {}
+    for round_ in range(options.rounds):
+        for name, cmd, sweeps, extra in jobs:
+            if name in failed:
+                continue  # a runtime that failed once is not retried: its error is the result
+            tag = name if options.rounds == 1 else f"{name}.round{round_ + 1}"
+            suffix = "" if options.rounds == 1 else f" (round {round_ + 1} of {options.rounds})"
+            log(f"{name}: running in its own process{suffix} ...")
+            # The output-length sweep is timed in the first round only: it is a curve, not a ratio.
+            spec = spec_path if sweeps and round_ == 0 else spec_nosweep_path
+            out_json = out_dir / "logs" / f"{tag}.json"
+            r = _run_subprocess([*cmd, "--spec", str(spec), "--out", str(out_json)], out_json,
+                                out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
+            if "error" in r:
+                failed[name] = r["error"]
+                per_round.pop(name, None)
+                log(f"{name}: FAILED: {r['error'].splitlines()[0]}")
+                continue
+            per_round.setdefault(name, []).append({**r, **extra})
+            _log_result(name, r, log)
+    runtimes = {name: merge_rounds(rs) for name, rs in per_round.items()}
+    if options.rounds > 1:
+        for name, r in runtimes.items():
+            _log_result(f"{name} (median of {len(per_round[name])})", r, log)
 
     env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     if options.floor:
@@ -222,16 +243,36 @@ def run(
     return results
 
 
-def _collect(name: str, r: dict, runtimes: dict, failed: dict, log) -> None:
-    if "error" in r:
-        failed[name] = r["error"]
-        log(f"{name}: FAILED: {r['error'].splitlines()[0]}")
-        return
-    runtimes[name] = r
+def _log_result(name: str, r: dict, log) -> None:
     lat = r["latency"]
     thr = " ".join(f"b{b} {t['sentences_per_s']:.2f} sent/s" for b, t in r["throughput"].items())
     log(f"{name}: load {r['load_s']:.2f} s; batch 1 p50 {lat['p50']:.1f} ms p90 {lat['p90']:.1f} p99 {lat['p99']:.1f} "
         f"({lat['ms_per_token_p50']:.2f} ms/token); {thr}; peak RSS {r['peak_rss_mb']:.0f} MB")
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One runtime's results over several rounds -> the first round's result with every timing
+    replaced by its median over the rounds, peak RSS by its maximum, and the per-round figures
+    kept under `rounds` so the spread is on record."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = json.loads(json.dumps(rounds[0]))  # a deep copy: outputs, info and the sweep of round 1
+    med = lambda values: float(np.median(values))  # noqa: E731
+    merged["load_s"] = med([r["load_s"] for r in rounds])
+    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
+    for key, value in rounds[0]["latency"].items():
+        if isinstance(value, (int, float)) and key not in ("n", "hit_cap", "tokens_mean"):
+            merged["latency"][key] = med([r["latency"][key] for r in rounds])
+    for batch, first in rounds[0]["throughput"].items():
+        seconds = med([r["throughput"][batch]["seconds"] for r in rounds])
+        merged["throughput"][batch]["seconds"] = seconds
+        merged["throughput"][batch]["sentences_per_s"] = first["sentences"] / seconds
+        merged["throughput"][batch]["tokens_per_s"] = first["generated_tokens"] / seconds
+    merged["rounds"] = [
+        {"b1_p50_ms": r["latency"]["p50"], **{f"b{b}_sent_per_s": t["sentences_per_s"] for b, t in r["throughput"].items()}}
+        for r in rounds
+    ]
+    return merged
 
 
 def _model_info(export_dir: Path, manifest) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import metrics
@@ -245,6 +246,31 @@ def test_spot_check_for_the_app(tiny_backends):
         spot_check(tiny_backends, ["One.", "Two."], references=["一。"])
     with pytest.raises(ValueError, match="empty"):
         spot_check(tiny_backends, ["One.", "  "])
+
+
+def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
+    """--rounds: every runtime again after all the others, medians reported, each round on record."""
+    from bench.speed import SpeedOptions, run
+
+    lines = []
+    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(4,), sweep_sentences=1, warmup=1,
+                           rounds=3, floor=False)
+    results = run(tiny_export_dir, default_sample(3), options, tmp_path / "out",
+                  backend_names=["pytorch", "ort_fp32_kv_cache"], log=lines.append)
+    assert results["failed"] == {}
+    started = [m for m in lines if "running in its own process" in m]
+    assert started == [f"{n}: running in its own process (round {i} of 3) ..."
+                       for i in (1, 2, 3) for n in ("pytorch", "ort_fp32_kv_cache")]
+    for name, r in results["runtimes"].items():
+        per = [json.loads((tmp_path / "out" / "logs" / f"{name}.round{i}.json").read_text()) for i in (1, 2, 3)]
+        assert [x["b1_p50_ms"] for x in r["rounds"]] == [x["latency"]["p50"] for x in per]
+        assert r["latency"]["p50"] == pytest.approx(float(np.median([x["latency"]["p50"] for x in per])))
+        seconds = float(np.median([x["throughput"]["2"]["seconds"] for x in per]))
+        assert r["throughput"]["2"]["sentences_per_s"] == pytest.approx(3 / seconds)
+        assert r["peak_rss_mb"] == max(x["peak_rss_mb"] for x in per)
+        assert set(r["sweep"]) == {"4"} and all(not x["sweep"] for x in per[1:])  # the sweep: round 1 only
+    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "Rounds: 3, round-robin" in md and md.count(" / ") >= 6
 
 
 # --- peers (only where the peer environment exists: `make bench-venv`) ---------------------------
