@@ -330,7 +330,8 @@ def readme_table(results: dict) -> str:
     forced = f"{o['forced_tokens']} forced output tokens" if o.get("forced_tokens") else "decoding to eos"
     lines += ["", f"{e['date_utc']}, {e['cpu']}, {e['threads']} threads, load average {e.get('load_average_1m_at_start')}"
               f"→{e.get('load_average_1m_at_end', '–')}; {s['latency_sentences']} sentences at batch 1, "
-              f"{s['throughput_sentences']} at batch {big}, {forced}; "
+              f"{s['throughput_sentences']} at batch {big}, {forced}"
+              + (f", medians of {o['rounds']} rounds run round-robin" if o.get("rounds", 1) > 1 else "") + "; "
               + ", ".join(f"{k} {v}" for k, v in e["versions"].items() if k in ("onnxruntime", "torch", "transformers"))
               + (", " + ", ".join(f"{k} {v}" for k, v in e["peer_environment"]["versions"].items()
                                   if k in ("optimum-onnx", "ctranslate2")) if e.get("peer_environment") else "")
