@@ -34,7 +34,7 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 
 # The README's tables: the embedded model, then the opus-mt-sized random fixture with peers.
 bench: setup bench-venv
-	$(PY) -m bench speed --peers --out bench-results/embedded
+	$(PY) -m bench speed --peers --rounds 2 --out bench-results/embedded
 	$(PY) -m bench quality --out bench-results/embedded-quality
 
 runs/fixtures/opus-mt-random/config.json: | setup
