@@ -55,7 +55,7 @@ def create_session(
     shared = []
     if tables is not None:
         for name, array in tables.for_graph(path).items():
-            value = ort.OrtValue.ortvalue_from_numpy(array)  # a view: `array` is kept alive by `tables`
+            value = ort.OrtValue.ortvalue_from_numpy(array)  # a view; the OrtValue keeps `array` alive
             options.add_initializer(name, value)
             shared.append(value)
     # The arena keeps every block it ever grew to; off where tensor sizes grow with each call.

@@ -7,51 +7,46 @@ opus-mt-en-zh's size. ONNX Runtime frees a MatMul's weight once it has packed it
 table that a Gather reads stays resident in every session that loads it. Handing ORT one shared
 buffer (`SessionOptions.add_initializer`) keeps a single copy.
 
-Tables are matched by dtype, shape and content digest, never by name, so a table is only shared
-with another that holds exactly the same numbers.
+Tables are matched by dtype, shape and bytes, never by name, so a table is only shared with
+another that holds exactly the same numbers; only tables of the same dtype and shape are compared.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
-# Smaller tables are not worth a digest: biases and layer norms are a few KB each.
+# Smaller tables are not worth sharing: biases and layer norms are a few KB each.
 MIN_BYTES = 4 * 2**20
 
 
-def _digest(array: np.ndarray) -> str:
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(array)).cast("B"), digest_size=16).hexdigest()
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    # Bit-for-bit, not ==: -0.0 == 0.0 and NaN != NaN would both mislead here.
+    return np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
 class SharedTables:
-    """Per `load_backends` call: arrays offered by loaded engines, found again by content."""
+    """Per `load_backends` call: the large arrays engines hold, by dtype and shape."""
 
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         self.min_bytes = min_bytes
-        self._offered: list[np.ndarray] = []  # not yet hashed: hashing waits until a shape matches
-        self._by_key: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
+        self._held: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
 
     def offer(self, array: np.ndarray) -> None:
-        """Make an array (kept alive here) available to engines loaded later."""
+        """Make an array (a view is fine: it is kept alive here) available to engines loaded later."""
         if array.nbytes >= self.min_bytes and array.flags.c_contiguous:
-            self._offered.append(array)
-
-    def _key(self, array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
-        return (array.dtype.str, array.shape, _digest(array))
+            self._held.setdefault((array.dtype.str, array.shape), []).append(array)
 
     def canonical(self, array: np.ndarray) -> np.ndarray:
-        """The shared array holding the same numbers as `array`, or `array` itself, now shared."""
-        key = self._key(array)
-        if key in self._by_key:
-            return self._by_key[key]
-        matches = [a for a in self._offered if a.dtype == array.dtype and a.shape == array.shape]
-        self._offered = [a for a in self._offered if not any(a is m for m in matches)]
-        for other in matches:
-            self._by_key.setdefault(self._key(other), other)
-        return self._by_key.setdefault(key, np.ascontiguousarray(array))
+        """The held array with exactly the same bytes as `array`, or `array` itself, now held."""
+        same_shape = self._held.setdefault((array.dtype.str, array.shape), [])
+        match = next((other for other in same_shape if _same_bytes(other, array)), None)
+        if match is not None:
+            return match
+        array = np.ascontiguousarray(array)
+        same_shape.append(array)
+        return array
 
     def for_graph(self, path: Path) -> dict[str, np.ndarray]:
         """name -> shared array, for every large initializer of the graph that a Gather reads.
@@ -77,6 +72,3 @@ class SharedTables:
                 continue
             out[init.name] = self.canonical(numpy_helper.to_array(init))
         return out
-
-    def held_bytes(self) -> int:
-        return sum(a.nbytes for a in self._by_key.values())
