@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .fixtures import DEFAULT_CORPUS
+from corpus import DEV_TSV
 from .graphs import DEFAULT_OPSET, ExportError
 from .pipeline import ExportOptions, VerificationFailed, export
 from .source import SourceError
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing export folder")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument("--no-verify", action="store_true", help="skip parity verification (not recommended)")
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="folder with dev.tsv for verification")
+    parser.add_argument("--sentences", type=Path, default=DEV_TSV, help="TSV (en column) or text file of verification sentences (default data/dev.tsv)")
     parser.add_argument("--verify-sentences", type=int, default=16)
     parser.add_argument("--verify-max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             opset=args.opset,
             verify=not args.no_verify,
-            corpus=args.corpus,
+            sentences=args.sentences,
             verify_sentences=args.verify_sentences,
             verify_max_new_tokens=args.verify_max_new_tokens,
             threads=args.threads,

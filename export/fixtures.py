@@ -18,9 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "corpus"
-REFERENCE_CONFIG = REPO_ROOT.parent / "shared" / "reference" / "opus-mt-en-zh" / "config.json"
+from corpus import REFERENCE_CONFIG, TRAIN_TSV, read_pairs as read_corpus
 
 EOS, UNK, PAD = "</s>", "<unk>", "<pad>"
 
@@ -47,18 +45,9 @@ FIXTURES = {
 }
 
 
-def read_pairs(corpus_dir: Path, limit: int, seed: int = 0) -> list[tuple[str, str]]:
-    """Read `train.tsv` (source, en, zh; tab-separated, no quoting) and sample `limit` pairs."""
-    path = corpus_dir / "train.tsv"
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus file not found: {path} (pass --corpus)")
-    pairs = []
-    with path.open(encoding="utf-8") as f:
-        next(f)
-        for line in f:
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) == 3 and fields[1] and fields[2]:
-                pairs.append((fields[1], fields[2]))
+def read_pairs(path: Path, limit: int, seed: int = 0) -> list[tuple[str, str]]:
+    """Sample `limit` (en, zh) pairs of a corpus TSV (data/train.tsv.gz by default) with a fixed seed."""
+    pairs = [(p.en, p.zh) for p in read_corpus(path, require_zh=True)]
     random.Random(seed).shuffle(pairs)
     return pairs[:limit]
 
@@ -170,7 +159,7 @@ def tiny_config(vocab_size: int) -> dict:
     }
 
 
-def build(name: str, out: Path, corpus: Path = DEFAULT_CORPUS, seed: int = 0, force: bool = False) -> Path:
+def build(name: str, out: Path, corpus: Path = TRAIN_TSV, seed: int = 0, force: bool = False) -> Path:
     """Build fixture `name` into `out` (written to a temporary folder, then renamed)."""
     import torch
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
@@ -211,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.fixtures", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(FIXTURES))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=TRAIN_TSV, help="training pairs TSV (default data/train.tsv.gz)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace an existing output folder")
     args = parser.parse_args(argv)

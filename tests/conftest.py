@@ -7,21 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from corpus import DEV_TSV, TRAIN_TSV, dev_sentences  # noqa: F401  (tests import dev_sentences from here)
+
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO.parent / "shared" / "corpus"
 EMBEDDED_MODEL = REPO / "assets" / "marian-en-zh-small"
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-
-
-def dev_sentences(count: int) -> list[str]:
-    """The first `count` English sentences of the shared dev set."""
-    rows = []
-    with (CORPUS / "dev.tsv").open(encoding="utf-8") as f:
-        next(f)
-        for line in f:
-            rows.append(line.rstrip("\n").split("\t")[1])
-    return rows[:count]
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +27,7 @@ def artifacts_dir() -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     from export.fixtures import build
 
-    return build("tiny", tmp_path_factory.mktemp("models") / "tiny", corpus=CORPUS)
+    return build("tiny", tmp_path_factory.mktemp("models") / "tiny", corpus=TRAIN_TSV)
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +35,7 @@ def tiny_export_dir(tiny_model_dir, tmp_path_factory) -> Path:
     from export.pipeline import ExportOptions, export
 
     out = tmp_path_factory.mktemp("exports") / "tiny"
-    return export(str(tiny_model_dir), ExportOptions(out=out, corpus=CORPUS, threads=2), log=lambda *a, **k: None)
+    return export(str(tiny_model_dir), ExportOptions(out=out, threads=2), log=lambda *a, **k: None)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from corpus import dev_sentences, read_pairs  # noqa: E402
 from train import data, loop  # noqa: E402
 from train.model import ModelSize, build_model, count_parameters  # noqa: E402
 
@@ -81,8 +82,8 @@ def test_shipped_scores_meet_floor():
 def test_examples_file():
     lines = (REPO / "assets" / "examples.tsv").read_text(encoding="utf-8").splitlines()
     assert lines[0] == "en" and len(lines) - 1 == 12
-    dev_en = {l.split("\t")[1] for l in (REPO / ".." / "shared" / "corpus" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]} \
-        if (REPO / ".." / "shared" / "corpus" / "dev.tsv").exists() else set()
+    dev_en = set(dev_sentences())
+    assert len(dev_en) > 400
     assert not dev_en & set(lines[1:])
 
 
@@ -91,25 +92,25 @@ def test_examples_file():
 def test_read_tsv_never_merges_quoted_rows(tmp_path):
     path = tmp_path / "t.tsv"
     path.write_text('source\ten\tzh\nx\tSay "hi\t说“嗨\nx\tthen" bye\t然后再见\n', encoding="utf-8")
-    pairs = data.read_tsv(path)
+    pairs = read_pairs(path)
     assert [p.en for p in pairs] == ['Say "hi', 'then" bye']
 
 
 def test_filter_reasons():
     P = data.Pair
     pairs = [
-        P("a", "Click %s to continue.", "点击 %s 以继续。"),
-        P("a", "Click %s to continue.", "点击 %s 以继续。"),                 # duplicate
-        P("a", "", "空"),                                                   # empty
-        P("a", "A long English sentence with many words in it.", "好"),     # ratio
-        P("a", "This string was never translated at all.", "This string was never translated at all."),
-        P("libreoffice_help", "Choose Edit - Undo.", "选择「编辑 - 撤销」。"),
+        P("Click %s to continue.", "点击 %s 以继续。", "a"),
+        P("Click %s to continue.", "点击 %s 以继续。", "a"),                 # duplicate
+        P("", "空", "a"),                                                   # empty
+        P("A long English sentence with many words in it.", "好", "a"),     # ratio
+        P("This string was never translated at all.", "This string was never translated at all.", "a"),
+        P("Choose Edit - Undo.", "选择「编辑 - 撤销」。", "libreoffice_help"),
     ]
     kept, stats = data.filter_pairs(pairs)
     assert [p.zh for p in kept] == ["点击 %s 以继续。", "选择「编辑 - 撤销」。"]
     assert stats["dropped"] == {"duplicate": 1, "empty": 1, "length_ratio": 1, "untranslated": 1}
     # Full-width Chinese punctuation survives normalisation.
-    kept, _ = data.filter_pairs([P("a", "Yes, no?", "是，否？")])
+    kept, _ = data.filter_pairs([P("Yes, no?", "是，否？", "a")])
     assert kept[0].zh == "是，否？"
 
 
@@ -161,7 +162,7 @@ def test_training_cli_and_resume(tmp_path):
     corpus = tmp_path / "corpus"
     _corpus(corpus)
     out, run = tmp_path / "model", tmp_path / "run"
-    common = ["--out", str(out), "--corpus", str(corpus), "--run-dir", str(run), *TINY]
+    common = ["--out", str(out), "--train", str(corpus / "train.tsv"), "--dev", str(corpus / "dev.tsv"), "--run-dir", str(run), *TINY]
     main([*common, "--max-steps", "3", "--no-eval"])
     first = json.loads((run / "summary.json").read_text())
     assert first["steps"] == 3 and first["pairs_used"] == 200
@@ -184,7 +185,7 @@ def test_loss_goes_down(tmp_path):
 
     corpus = tmp_path / "corpus"
     _corpus(corpus)
-    pairs = data.read_tsv(corpus / "train.tsv")
+    pairs = read_pairs(corpus / "train.tsv")
     src = train_spm([p.en for p in pairs], tmp_path / "spm" / "source", 60, 1.0)
     tgt = train_spm([p.zh for p in pairs], tmp_path / "spm" / "target", 60, 1.0, "identity")
     tok = write_tokenizer(tmp_path / "tok", src, tgt, [p.zh for p in pairs[:5]])

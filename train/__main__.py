@@ -14,13 +14,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from corpus import DEV_TSV, TRAIN_TSV
+
 logger = logging.getLogger("train")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def default_corpus() -> Path:
-    return (REPO / ".." / "shared" / "corpus").resolve()
 
 
 def parse_args(argv=None):
@@ -31,7 +29,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="model folder to write (HF format)")
-    p.add_argument("--corpus", type=Path, default=None, help="folder with train.tsv and dev.tsv (default ../shared/corpus)")
+    p.add_argument("--train", type=Path, default=TRAIN_TSV, help="training pairs TSV (default data/train.tsv.gz)")
+    p.add_argument("--dev", type=Path, default=DEV_TSV, help="dev pairs TSV for selection and scores (default data/dev.tsv)")
     p.add_argument("--run-dir", type=Path, default=None, help="work files; default runs/<out folder name>")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     p.add_argument("--max-minutes", type=float, default=t.max_minutes, help="training wall-time budget (≤ 90)")
@@ -82,13 +81,14 @@ def _run(args, run_dir: Path, argv) -> None:
     import torch
     from transformers import MarianTokenizer
 
-    from .data import filter_pairs, read_tsv
+    from corpus import read_pairs
+
+    from .data import filter_pairs
     from .evaluate import evaluate
     from .loop import Trainer, TrainOptions, encode_pairs
     from .model import ModelSize, build_model, count_parameters, generation_config
     from .tokenizer import check_tokenizer, train_spm, write_tokenizer
 
-    corpus = args.corpus or default_corpus()
     lr = args.lr if args.lr is not None else TrainOptions.lr
     opts = TrainOptions(max_tokens=args.max_tokens, lr=lr, warmup=args.warmup,
                         label_smoothing=args.label_smoothing, max_minutes=args.max_minutes,
@@ -104,10 +104,10 @@ def _run(args, run_dir: Path, argv) -> None:
     torch.manual_seed(opts.seed)
     wall_start = time.monotonic()
 
-    pairs, filter_stats = filter_pairs(read_tsv(corpus / "train.tsv"))
+    pairs, filter_stats = filter_pairs(read_pairs(args.train, require_zh=True))
     if args.limit:
         pairs = pairs[: args.limit]
-    dev_pairs = read_tsv(corpus / "dev.tsv")
+    dev_pairs = read_pairs(args.dev, require_zh=True)
     tok_samples = [p.zh for p in pairs[:: max(1, len(pairs) // 200)]]
     # A fixed shuffle so the model-selection subset mixes tatoeba and documentation rows.
     dev_subset = random.Random(opts.seed).sample(dev_pairs, min(opts.dev_subset, len(dev_pairs)))
@@ -153,7 +153,7 @@ def _run(args, run_dir: Path, argv) -> None:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     examples = args.out.parent / "examples.tsv"
-    result = {} if args.no_eval else evaluate(args.out, corpus / "dev.tsv", run_dir / "dev_hyps.tsv", examples=examples)
+    result = {} if args.no_eval else evaluate(args.out, args.dev, run_dir / "dev_hyps.tsv", examples=examples)
     result["training"] = summary
     (args.out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     logger.info("wrote %s: %s", args.out, {k: v for k, v in result.items() if k != "training"})

@@ -1,4 +1,4 @@
-"""Reading and filtering the parallel corpus."""
+"""Filtering the parallel corpus (read through `corpus`, the project's one reader)."""
 from __future__ import annotations
 
 import logging
@@ -6,19 +6,13 @@ import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+
+from corpus import Pair
 
 logger = logging.getLogger(__name__)
 
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 _LATIN = re.compile(r"[A-Za-z]")
-
-
-@dataclass(frozen=True)
-class Pair:
-    source: str
-    en: str
-    zh: str
 
 
 @dataclass(frozen=True)
@@ -33,21 +27,6 @@ class FilterOptions:
     max_ratio: float = 2.0
     # The ratio test is noisy for short UI labels ("Tip" → "小技巧"), so only apply it above this.
     ratio_min_en_chars: int = 20
-
-
-def read_tsv(path: str | Path) -> list[Pair]:
-    """Read a `source\ten\tzh` file. Never uses csv quoting: fields may contain `"`."""
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        header = f.readline().rstrip("\n").split("\t")
-        if header != ["source", "en", "zh"]:
-            raise ValueError(f"{path}: expected header ['source', 'en', 'zh'], got {header}")
-        for lineno, line in enumerate(f, start=2):
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) != 3:
-                raise ValueError(f"{path}:{lineno}: expected 3 tab-separated fields, got {len(fields)}")
-            pairs.append(Pair(*fields))
-    return pairs
 
 
 def _norm(text: str) -> str:
@@ -87,7 +66,7 @@ def filter_pairs(pairs: list[Pair], opts: FilterOptions = FilterOptions()) -> tu
             dropped["duplicate"] += 1
             continue
         seen.add(key)
-        kept.append(Pair(p.source, en, zh))
+        kept.append(Pair(en, zh, p.source))
     stats = {"read": len(pairs), "kept": len(kept), "dropped": dict(sorted(dropped.items()))}
     logger.info("filter: %s", stats)
     return kept, stats

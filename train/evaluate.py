@@ -7,6 +7,8 @@ import logging
 import time
 from pathlib import Path
 
+from corpus import DEV_TSV
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,26 +39,20 @@ def score(hyps: list[str], refs: list[str]) -> tuple[float, float]:
     return bleu, chrf
 
 
-def read_examples(path: Path) -> list[str]:
-    """assets/examples.tsv: a header `en`, then one English input per line."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if not lines or lines[0] != "en":
-        raise ValueError(f"{path}: expected the header 'en'")
-    return [line for line in lines[1:] if line]
-
-
 def evaluate(model_dir: Path, dev_path: Path, hyps_out: Path | None = None, threads: int | None = None,
              examples: Path | None = None) -> dict:
     import torch
     from transformers import MarianMTModel, MarianTokenizer
 
-    from .data import is_tatoeba, read_tsv
+    from corpus import read_pairs, read_sentences
+
+    from .data import is_tatoeba
 
     if threads:
         torch.set_num_threads(threads)
     tok = MarianTokenizer.from_pretrained(str(model_dir))
     model = MarianMTModel.from_pretrained(str(model_dir))
-    pairs = read_tsv(dev_path)
+    pairs = read_pairs(dev_path, require_zh=True)
     t0 = time.monotonic()
     hyps = translate(model, tok, [p.en for p in pairs])
     seconds = time.monotonic() - t0
@@ -70,7 +66,7 @@ def evaluate(model_dir: Path, dev_path: Path, hyps_out: Path | None = None, thre
         bleu, chrf = score([hyps[i] for i in sel], [pairs[i].zh for i in sel])
         result[name] = {"rows": len(sel), "bleu": round(bleu, 2), "chrf": round(chrf, 2)}
     if examples is not None and examples.exists():
-        inputs = read_examples(examples)
+        inputs = [p.en for p in read_sentences(examples)]
         result["examples"] = [{"en": en, "zh": zh} for en, zh in zip(inputs, translate(model, tok, inputs))]
     return result
 
@@ -78,7 +74,7 @@ def evaluate(model_dir: Path, dev_path: Path, hyps_out: Path | None = None, thre
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__)
     parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--dev", type=Path, default=None, help="default: ../shared/corpus/dev.tsv")
+    parser.add_argument("--dev", type=Path, default=DEV_TSV, help="default: data/dev.tsv")
     parser.add_argument("--hyps", type=Path, default=None, help="also write en/ref/hyp rows here")
     parser.add_argument("--examples", type=Path, default=None,
                         help="also translate these inputs (default: assets/examples.tsv next to the model)")
@@ -88,9 +84,7 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()  # max_new_tokens vs config max_length, per batch
-    from .__main__ import default_corpus
-
-    dev = args.dev or default_corpus() / "dev.tsv"
+    dev = args.dev
     examples = args.examples or args.model_dir.parent / "examples.tsv"
     result = evaluate(args.model_dir, dev, args.hyps, args.threads, examples)
     out = args.model_dir / "eval.json"
