@@ -1,4 +1,4 @@
-"""The A/B app: one English sentence through PyTorch and every ONNX Runtime backend, side by side.
+"""The A/B app: English text through PyTorch and every ONNX Runtime backend, side by side.
 
     python app.py                           # the embedded model (assets/marian-en-zh-small)
     python app.py --model PATH_OR_HUB_ID    # or MODEL_ID=...; an export folder is used as is
@@ -6,9 +6,8 @@
 The first start exports the model to exports/<name>; later starts reuse that export when the
 sidecar's checksums match. GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (default 7860) are honoured.
 
-This file lays out, wires and renders; running, aligning and measuring live in backends/compare.py.
-The Benchmark and Batch spot-check tabs are built by ui/ (their measuring is bench/'s).
-The named API endpoint `compare` returns the JSON the page renders (see docs/app.md).
+This file only wires: it parses options, prepares the export, loads the backends, builds the tabs
+(ui/) and launches. The requests themselves are service/'s, the engines backends/'s.
 """
 
 from __future__ import annotations
@@ -16,639 +15,54 @@ from __future__ import annotations
 import argparse
 import html
 import logging
-import math
 import os
 import re
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import gradio as gr
 
-from backends import BACKEND_NAMES, REFERENCE, InputError
-from backends.compare import MAX_REPEAT, RequestLimits, compare_iter, plan, segments_json, to_json
-from backends.memory import limit_arenas, trim_heap
-from ui import benchmark_tab, spotcheck_tab
+from backends.memory import limit_arenas
+from corpus import read_sentences
+from service import RequestLimits
+from ui import benchmark_tab, compare_tab, spotcheck_tab
+from ui.compare_render import CSS, LABELS
+from ui.state import REPO, Loaded
 
 logger = logging.getLogger("app")
 
-REPO = Path(__file__).resolve().parent
 DEFAULT_MODEL = REPO / "assets" / "marian-en-zh-small"
 EXAMPLES_TSV = REPO / "assets" / "examples.tsv"
 QUEUE_SIZE = 8  # waiting requests beyond one running; more get "busy, try again"
 
-LABELS = {
-    "pytorch": "PyTorch (reference)",
-    "ort_fp32_single_step": "ORT fp32 · single step",
-    "ort_fp32_kv_cache": "ORT fp32 · KV cache",
-    "ort_fp16": "ORT fp16 · KV cache",
-    "ort_int8": "ORT int8 · KV cache",
-}
-COLORS = {
-    "pytorch": "#444444",
-    "ort_fp32_single_step": "#1f77b4",
-    "ort_fp32_kv_cache": "#2ca02c",
-    "ort_fp16": "#d62728",
-    "ort_int8": "#9467bd",
-}
-
-BOUNDARY_EXAMPLES = [
-    (
-        "long paragraph",
-        "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
-        "the members agreed to increase funding for public libraries, to repair the old bridge near the "
-        "river, and to hire two more teachers for the primary school. Several residents asked why the park "
-        "renovation had been postponed again, and the chair promised a detailed answer at the next meeting. "
-        "The meeting ended shortly after nine in the evening.",
-    ),
-    ("punctuation only", "?!... ,;: -- !!"),
-    ("mixed Chinese and English", "Please open the 设置 menu and click 保存 to save your changes."),
-    ("emoji", "I love this song 🎵😊 and I want to hear it again 🔁!"),
-    ("empty input", ""),
-]
-
-CSS = """
-.panel-title { font-weight: 600; font-size: 1.05em; margin-bottom: 2px; }
-.panel-info { color: var(--body-text-color-subdued); font-size: 0.82em; line-height: 1.35; }
-.stats { font-size: 0.85em; }
-.stats table { border-collapse: collapse; width: 100%; margin: 4px 0 2px 0; border: none !important; }
-.stats table tr, .stats table th, .stats table td { border: none !important; }
-.stats table th, .stats table td { padding: 1px 6px !important; text-align: right; }
-.stats table th { font-weight: 400; color: var(--body-text-color-subdued); font-size: 0.9em; }
-.stats table td { font-variant-numeric: tabular-nums; font-weight: 600; }
-.state-ok { color: #2ca02c; font-weight: 600; }
-.state-err { color: #d62728; font-weight: 600; white-space: pre-wrap; }
-.state-wait { color: var(--body-text-color-subdued); }
-.state-warn { color: #b35900; font-weight: 600; }
-table.segments { border-collapse: collapse; font-size: 0.88em; width: 100%; }
-table.segments th, table.segments td { border: 1px solid var(--border-color-primary); padding: 2px 6px;
-                                       vertical-align: top; text-align: left; }
-table.segments td.num { color: var(--body-text-color-subdued); text-align: right; }
-.chunk { font-size: 0.8em; padding: 0 4px; border-radius: 3px; background: #ffd9a8; color: #000; }
-.div-row { margin: 6px 0 12px 0; }
-.div-head { font-weight: 600; margin-bottom: 3px; }
-.tokgrid { display: flex; flex-wrap: wrap; gap: 3px; }
-.tokcol { display: flex; flex-direction: column; border-radius: 4px; overflow: hidden;
-          border: 1px solid var(--border-color-primary); font-family: var(--font-mono); font-size: 0.82em; }
-.tokcol span { padding: 1px 5px; min-height: 1.3em; white-space: pre; }
-.tokcol .ref { background: var(--background-fill-secondary); color: var(--body-text-color-subdued); }
-.tokcol.changed { border-color: #e07b00; } .tokcol.changed span.tok { background: #ffd9a8; color: #000; }
-.tokcol.extra { border-color: #d62728; } .tokcol.extra span.tok { background: #ffc2c2; color: #000; }
-.tokcol.missing { border-color: #d62728; border-style: dashed; }
-.tokcol.first { outline: 2px solid #d62728; outline-offset: 1px; }
-table.first-div { border-collapse: collapse; font-size: 0.85em; margin-top: 4px; }
-table.first-div th, table.first-div td { border: 1px solid var(--border-color-primary); padding: 2px 8px; }
-.legend span { padding: 0 5px; border-radius: 3px; margin-right: 6px; font-size: 0.85em; color: #000; }
-"""
-
-
-@dataclass
-class Loaded:
-    """What main() prepared: the backends that loaded and why the others did not."""
-
-    backends: dict[str, Any]
-    load_errors: dict[str, str] = field(default_factory=dict)
-    model: str = ""
-    export_dir: Path | None = None
-    export_note: str = ""
-    max_new_tokens: int | None = None
-    examples: list[str] = field(default_factory=list)
-    results_dir: Path = REPO / "bench-results"  # the Benchmark tab's reports: read, and quick runs saved
-    limits: RequestLimits = RequestLimits()  # characters, segments and seconds per backend of one request
-
-    @property
-    def names(self) -> list[str]:
-        return [n for n in BACKEND_NAMES if n in self.backends or n in self.load_errors]
-
-
-# ---------------------------------------------------------------------------------------------
-# Rendering: plain functions from compare results to HTML, tables and figures
-
-
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
-def _ms(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
-
-
-def _p(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}" if x >= 0.01 else f"{x:.2e}"
-
-
-def _piece(token: str | None) -> str:
-    # sentencepiece marks a word start with ▁; show it as a visible middle dot-space
-    return "" if token is None else token.replace("▁", "·")
-
-
-def info_html(info: dict[str, Any]) -> str:
-    if not info:
-        return ""
-    return (
-        f"<div class='panel-info'>ran on: {_e(info.get('runtime', ''))} · {_e(info.get('provider', ''))} · "
-        f"{_e(info.get('precision', ''))} · {_e(info.get('threads', ''))} threads · "
-        f"graph: {_e(info.get('graph', ''))}</div>"
-    )
-
-
-def panel_html(name: str, result: dict | None, state: str, info: dict | None) -> str:
-    """The block under one backend's translation: verdict, token count, timings, what it ran on."""
-    foot = info_html(info or {})
-    if result is None:
-        return f"<div class='stats'><span class='state-wait'>{_e(state)}</span>{foot}</div>"
-    if result.get("error"):
-        return f"<div class='stats'><div class='state-err'>error: {_e(result['error'])}</div>{foot}</div>"
-    t, runs = result["timings_ms"], result.get("runs") or {}
-    div = result.get("divergence")
-    if name == REFERENCE:
-        verdict = "<span class='state-ok'>reference</span>"
-    elif div and "error" in div:
-        verdict = f"<span class='state-err'>{_e(div['error'])}</span>"
-    elif div and div["identical"]:
-        verdict = "<span class='state-ok'>identical to PyTorch</span>"
-    elif div:
-        where = f" in segment {div['segment'] + 1}" if div.get("segments", 1) > 1 else ""
-        verdict = f"<span class='state-err'>diverges from PyTorch{where} at step {div['first']['step']}</span>"
-    else:
-        verdict = ""
-    n_seg = len(result.get("segments") or [])
-    verdict += f" · {len(result['token_ids'])} tokens" + (f" in {n_seg} segments" if n_seg > 1 else "")
-    if runs.get("n", 1) > 1:
-        verdict += f" · median of {runs['n'] - 1} warm runs (run 1, cold: {_ms(runs['cold_ms'])} ms)"
-    keys = [
-        ("tokenize", "tokenize"), ("encode", "encode"), ("first_token", "first token"),
-        ("per_token", "per token"), ("total", "total"),
-    ]  # fmt: skip
-    head = "".join(f"<th>{label}</th>" for _, label in keys)
-    cells = "".join(f"<td class='num'>{_ms(t.get(k))}</td>" for k, _ in keys)
-    # Degenerate output (a repeated token, no eos before the cap) is shown, not hidden in the JSON.
-    warn = "".join(f"<div class='state-warn'>⚠ {_e(w)}</div>" for w in result.get("warnings") or [])
-    return (
-        f"<div class='stats'><div>{verdict}</div>{warn}"
-        f"<table><tr>{head}<th></th></tr><tr>{cells}<td>ms</td></tr></table>{foot}</div>"
-    )
-
-
-def _first_table(first: dict) -> str:
-    ref, oth = first.get("reference"), first.get("backend")
-    if not ref or not oth:
-        return f"<div>lengths differ from step {first['step']}</div>"
-
-    def row(label, key, fmt):
-        return f"<tr><th>{label}</th><td>{fmt(ref.get(key))}</td><td>{fmt(oth.get(key))}</td></tr>"
-
-    tok = lambda x: f"<code>{_e(_piece(x))}</code>"  # noqa: E731
-    return (
-        f"<table class='first-div'><tr><th>step {first['step']}</th><th>PyTorch</th><th>this backend</th></tr>"
-        + row("chosen token", "token", tok)
-        + row("its probability", "prob", _p)
-        + row("runner-up", "runner_up", tok)
-        + row("runner-up probability", "runner_up_prob", _p)
-        + row("top-1 − top-2 margin (logit)", "margin_logprob", lambda x: "–" if x is None else f"{x:.4f}")
-        + row("p(the other backend's token)", "other_token_prob", lambda x: "not in top-5" if x is None else _p(x))
-        + "</table>"
-    )
-
-
-def divergence_html(out: dict) -> str:
-    """Each backend's tokens aligned under the reference's: differing ones highlighted."""
-    blocks = [
-        "<div class='legend'>PyTorch tokens on top, this backend's below · "
-        "<span style='background:#ffd9a8'>changed</span><span style='background:#ffc2c2'>extra</span>"
-        "<span style='border:1px dashed #d62728'>missing</span>"
-        "<span style='outline:2px solid #d62728'>first divergence</span></div>"
-    ]
-    ref = out["backends"].get(REFERENCE, {})
-    if ref.get("error"):
-        blocks.append(f"<div class='state-err'>PyTorch (reference): {_e(ref['error'])}</div>")
-    for name, b in out["backends"].items():
-        if name == REFERENCE:
-            continue
-        label = _e(LABELS.get(name, name))
-        d = b.get("divergence")
-        head = f"<div class='div-row'><div class='div-head'>{label}</div>"
-        if b.get("error"):
-            blocks.append(f"{head}<div class='state-err'>error: {_e(b['error'])}</div></div>")
-            continue
-        if not d or "error" in d:
-            blocks.append(f"{head}<div class='state-wait'>{_e(d['error'] if d else 'not compared')}</div></div>")
-            continue
-        first_step = d["first"]["step"] if d["first"] else None
-        cols = []
-        for a in d["alignment"]:
-            step = a["step"] if a["step"] is not None else a["ref_step"]
-            cls = a["op"] + (" first" if first_step is not None and step == first_step else "")
-            ref_tok, tok = _e(_piece(a["ref"])), _e(_piece(a["token"]))
-            cols.append(
-                f"<div class='tokcol {cls}' title='step {step}'>"
-                f"<span class='ref'>{ref_tok}</span><span class='tok'>{tok}</span></div>"
-            )
-        tf = d.get("teacher_forced") or {}
-        if "error" in tf:
-            forced = f"teacher-forced: <span class='state-err'>{_e(tf['error'])}</span>"
-        elif tf:
-            not_top = tf["steps_not_argmax"]
-            ranks = f"PyTorch's token is not top-1 at steps {not_top}" if not_top else "top-1 at every step"
-            forced = (
-                f"teacher-forced on PyTorch's tokens: max |Δlogit| {tf['max_abs_dlogit_overall']:.2e}; "
-                f"PyTorch's token: {ranks}"
-            )
-        else:
-            forced = ""
-        n_seg = d.get("segments", 1)
-        if d["identical"] and n_seg > 1:
-            summary = (
-                f"<span class='state-ok'>identical</span> in all {n_seg} segments · segment 1 shown, "
-                f"{d['matching']}/{d['reference_length']} tokens match"
-            )
-        elif d["identical"]:
-            summary = f"<span class='state-ok'>identical</span> · {d['matching']}/{d['reference_length']} tokens match"
-        else:
-            # Several segments: the first one that differs is the one detailed below.
-            where = (
-                f" in segment {d['segment'] + 1} of {n_seg} ({d['segments_identical']} identical)"
-                if n_seg > 1
-                else ""
-            )
-            summary = (
-                f"<span class='state-err'>diverges{where} at step {first_step}</span> · {d['matching']} of "
-                f"{len(d['alignment'])} aligned tokens match ({d['agreement']:.0%})"
-            )
-        first = _first_table(d["first"]) if d["first"] else ""
-        blocks.append(
-            f"<div class='div-row'><div class='div-head'>{label}: {summary}</div>"
-            f"<div class='panel-info'>{forced}</div><div class='tokgrid'>{''.join(cols)}</div>{first}</div>"
-        )
-    return "".join(blocks)
-
-
-def _segment_text(seg: dict) -> str:
-    if seg["non_finite_steps"]:
-        return f"<span class='state-err'>non-finite logits (NaN/Inf) at step {seg['non_finite_steps'][0]}</span>"
-    return _e(seg["text"] or "–")
-
-
-SEGMENTS_OPEN = 12  # a longer split starts folded: the panels above already hold the joined text
-
-
-def segments_html(out: dict) -> str:
-    """How the input was split, and each segment's output: PyTorch's, and any backend that differs."""
-    segs = out.get("segments") or []
-    if len(segs) < 2:
-        return ""
-    chunked = sum(s["chunked"] for s in segs)
-    note = f", {chunked} of them pieces of a sentence over the model's source limit" if chunked else ""
-    ref = out["backends"].get(REFERENCE) or {}
-    others = [(n, b) for n, b in out["backends"].items() if n != REFERENCE and b.get("segments")]
-    rows = []
-    for i, seg in enumerate(segs):
-        source = _e(seg["text"]) + (" <span class='chunk'>chunk</span>" if seg["chunked"] else "")
-        ref_out = _segment_text(ref["segments"][i]) if ref.get("segments") else "–"
-        # Not identical, or not compared (no reference): the backend's own output is listed.
-        differ = [
-            f"<b>{_e(LABELS.get(n, n))}</b>: {_segment_text(b['segments'][i])}"
-            for n, b in others
-            if not ((b["segments"][i].get("divergence") or {}).get("identical", False))
-        ]
-        if not others:
-            verdict = "<span class='state-wait'>–</span>"
-        elif differ:
-            verdict = "<br>".join(differ)
-        else:
-            verdict = "<span class='state-ok'>identical</span>"
-        rows.append(
-            f"<tr><td class='num'>{i + 1}</td><td>{source}</td><td>{ref_out}</td><td>{verdict}</td></tr>"
-        )
-    opened = " open" if len(segs) <= SEGMENTS_OPEN else ""
-    return (
-        f"<details{opened}><summary><b>Input split into {len(segs)} segments</b>{note}; every backend translated "
-        "them as a batch and joined the outputs in order.</summary>"
-        "<table class='segments'><tr><th>#</th><th>source</th><th>PyTorch</th><th>ORT backends vs PyTorch</th></tr>"
-        + "".join(rows)
-        + "</table></details>"
-    )
-
-
-def _short_provider(provider: str) -> str:
-    return provider.replace("ExecutionProvider", "")
-
-
-def latency_rows(out: dict) -> list[list[Any]]:
-    ref_total = (out["backends"].get(REFERENCE) or {}).get("timings_ms", {}).get("total")
-    rows = []
-    for name, b in out["backends"].items():
-        if b.get("error"):
-            rows.append([LABELS.get(name, name), "error", "", "", "", "", "", "", "", "", ""])
-            continue
-        t, runs = b["timings_ms"], b["runs"]
-        rows.append(
-            [
-                LABELS.get(name, name),
-                f"{b['info'].get('precision', '')} · {_short_provider(str(b['info'].get('provider', '')))}",
-                len(b["token_ids"]),
-                _ms(t["tokenize"]),
-                _ms(t["encode"]),
-                _ms(t["first_token"]),
-                _ms(t["per_token"]),
-                _ms(t["total"]),
-                _ms(runs["cold_ms"]),
-                f"{_ms(runs['min_ms'])}–{_ms(runs['max_ms'])}" if runs["n"] > 1 else "1 run",
-                f"{ref_total / t['total']:.2f}×" if ref_total and t["total"] else "",
-            ]
-        )
-    return rows
-
-
-LATENCY_HEADERS = [
-    "backend", "precision", "tokens", "tokenize", "encode", "1st token", "per token",
-    "total", "run 1 (cold)", "warm min–max", "vs PyTorch",
-]
-
-
-def latency_figure(out: dict):
-    from matplotlib.figure import Figure
-
-    items = [(n, b) for n, b in out["backends"].items() if not b.get("error")]
-    if not items:
-        return None
-    fig = Figure(figsize=(10, 2.4), layout="constrained")
-    ax_total, ax_tok = fig.subplots(1, 2)
-    labels = [LABELS.get(n, n) for n, _ in items]
-    y = list(range(len(items)))
-    panels = ((ax_total, "total", "total per sentence (ms)"), (ax_tok, "per_token", "decode per token (ms)"))
-    for ax, key, title in panels:
-        vals = [b["timings_ms"][key] for _, b in items]
-        ax.barh(y, vals, color=[COLORS.get(n, "#888") for n, _ in items])
-        for yi, v, (_, b) in zip(y, vals, items):
-            # the label goes right of the bar, its warm-run whisker and its cold-run marker
-            r = b["runs"]
-            end = max(v, r["max_ms"], r["cold_ms"]) if key == "total" and r["n"] > 1 else v
-            ax.text(end, yi, f"  {_ms(v)}", va="center", fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.set_yticks(y, labels if ax is ax_total else [""] * len(y), fontsize=8)
-        ax.invert_yaxis()
-        ax.tick_params(axis="x", labelsize=8)
-        ax.margins(x=0.25)
-    # repeat-N: the warm runs' min–max as an error bar, the cold first run as a hollow marker
-    for yi, (_, b) in zip(y, items):
-        r = b["runs"]
-        if r["n"] > 1:
-            med = b["timings_ms"]["total"]
-            err = [[med - r["min_ms"]], [r["max_ms"] - med]]
-            whisker_label = "warm runs: min–max" if yi == 0 else None
-            ax_total.errorbar(med, yi, xerr=err, fmt="none", ecolor="black", capsize=3, label=whisker_label)
-            cold_label = "run 1 (cold)" if yi == 0 else None
-            ax_total.plot(r["cold_ms"], yi, ls="none", marker="o", mfc="none", mec="black", ms=6, label=cold_label)
-    if any(b["runs"]["n"] > 1 for _, b in items):
-        fig.legend(*ax_total.get_legend_handles_labels(), fontsize=7, ncol=2, loc="outside lower center")
-    return fig
-
-
-def forced_figure(out: dict):
-    """Per step: max |Δlogit| against PyTorch, and rank / probability of PyTorch's token."""
-    from matplotlib.figure import Figure
-
-    series = {
-        n: b["divergence"]["teacher_forced"]
-        for n, b in out["backends"].items()
-        if n != REFERENCE and b.get("divergence") and (b["divergence"].get("teacher_forced") or {}).get("steps")
-    }
-    if not series:
-        return None
-    fig = Figure(figsize=(10, 4.8), layout="constrained")
-    ax_d, ax_r, ax_p = fig.subplots(3, 1, sharex=True)
-    ref_prob, ref_seg = None, ""
-    for n, tf in series.items():
-        steps = list(range(len(tf["max_abs_dlogit"])))
-        # With several segments each backend is forced on its own first diverging one: say which.
-        d = out["backends"][n]["divergence"]
-        seg = f" · segment {d['segment'] + 1}" if d.get("segments", 1) > 1 else ""
-        kw = dict(color=COLORS.get(n), label=LABELS.get(n, n) + seg, lw=1.3, marker=".", ms=4)
-        ax_d.plot(steps, [max(x, 1e-12) for x in tf["max_abs_dlogit"]], **kw)
-        ax_r.plot(steps, tf["ref_token_rank"], **kw)
-        ax_p.plot(steps, [p if p is not None else 0.0 for p in tf["ref_token_prob"]], **kw)
-        ref_prob, ref_seg = tf["ref_token_prob_reference"], seg
-    if ref_prob:
-        ax_p.plot(
-            range(len(ref_prob)), [p or 0.0 for p in ref_prob], color="black", ls="--", lw=1, label="PyTorch" + ref_seg
-        )
-    ax_d.set_yscale("log")
-    ax_d.set_ylabel("max |Δlogit|", fontsize=8)
-    ax_r.set_ylabel("rank of\nPyTorch token", fontsize=8)
-    ax_p.set_ylabel("p(PyTorch token)", fontsize=8)
-    ax_p.set_xlabel("decoder step (teacher-forced on PyTorch's output)", fontsize=8)
-    ax_r.yaxis.get_major_locator().set_params(integer=True)
-    top_rank = max(max(tf["ref_token_rank"]) for tf in series.values())
-    ax_r.set_ylim(-0.5, max(top_rank, 1) + 0.5)
-    ax_p.set_ylim(-0.02, 1.02)
-    for ax in (ax_d, ax_r, ax_p):
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    handles, labels = ax_p.get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, ncol=len(labels), loc="outside upper center")
-    return fig
-
-
-# ---------------------------------------------------------------------------------------------
-# Events
-
-
-def read_examples(path: Path) -> list[str]:
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if not lines or lines[0].split("\t")[0].strip() != "en":
-        raise ValueError(f"{path}: expected a header row starting with 'en'")
-    return [line.split("\t")[0] for line in lines[1:] if line.strip()]
+__all__ = ["CSS", "Loaded", "build_app", "main"]
 
 
 def build_app(loaded: Loaded) -> gr.Blocks:
+    """The page: a header naming the model and what loaded, then the Compare, Benchmark and Batch
+    spot-check tabs. Every tab's model work shares one slot (concurrency_id "model")."""
     names = loaded.names
-    opts = dict(max_new_tokens=loaded.max_new_tokens, load_errors=loaded.load_errors, limits=loaded.limits)
-
-    def initial_panels() -> list[str]:
-        out = []
-        for n in names:
-            if n in loaded.load_errors:
-                out.append(panel_html(n, {"error": f"failed to load: {loaded.load_errors[n]}"}, "", {}))
-            else:
-                out.append(panel_html(n, None, "ready", loaded.backends[n].info))
-        return out
-
     with gr.Blocks(title="MarianMT en→zh: PyTorch vs ONNX Runtime") as demo:
-        ok = len(loaded.backends)
         failed = ", ".join(LABELS.get(n, n) for n in loaded.load_errors)
-        failed = f" (could not load: {_e(failed)}; see their panels)" if failed else ""
+        failed = f" (could not load: {html.escape(failed)}; see their panels)" if failed else ""
         gr.Markdown(
             f"## MarianMT en→zh · PyTorch vs ONNX Runtime, side by side\n"
-            f"Model **{_e(loaded.model)}** · export `{_e(loaded.export_dir)}` ({_e(loaded.export_note)}) · "
-            f"{ok}/{len(names)} backends loaded{failed}. Each backend runs alone, one after the other; results "
-            "appear as each finishes. Divergence and drift are measured against PyTorch.",
+            f"Model **{html.escape(str(loaded.model))}** · export `{html.escape(str(loaded.export_dir))}` "
+            f"({html.escape(loaded.export_note)}) · {len(loaded.backends)}/{len(names)} backends loaded{failed}. "
+            "Each backend runs alone, one after the other; results appear as each finishes. Divergence and "
+            "drift are measured against PyTorch.",
             elem_id="header",
         )
         with gr.Tabs():
-            with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
-                with gr.Row(equal_height=False):
-                    text = gr.Textbox(
-                        label="English text",
-                        placeholder="Type an English sentence and press Enter",
-                        lines=1,  # one line submits on Enter; the box still grows up to max_lines as text wraps
-                        max_lines=8,
-                        scale=5,
-                        elem_id="input-text",
-                        autofocus=True,
-                    )
-                    with gr.Column(scale=1, min_width=240):
-                        go = gr.Button("Translate", variant="primary", elem_id="translate-btn")
-                        repeat = gr.Slider(1, MAX_REPEAT, value=1, step=1, label="runs per backend", elem_id="repeat")
-                with gr.Row():
-                    if loaded.examples:
-                        gr.Examples(
-                            [[s] for s in loaded.examples],
-                            inputs=[text],
-                            label="Examples (assets/examples.tsv)",
-                            examples_per_page=6,
-                        )
-                    gr.Examples(
-                        [[t] for _, t in BOUNDARY_EXAMPLES],
-                        inputs=[text],
-                        label="Boundary inputs",
-                        example_labels=[label for label, _ in BOUNDARY_EXAMPLES],
-                    )
-                status = gr.Markdown("", elem_id="status")
-
-                outs_text, outs_stats = {}, {}
-                panels0 = initial_panels()
-                per_row = 2 if len(names) <= 4 else 3
-                for row_names in [names[i : i + per_row] for i in range(0, len(names), per_row)]:
-                    with gr.Row(equal_height=True):
-                        for n in row_names:
-                            with gr.Column(elem_id=f"panel-{n}", variant="panel"):
-                                outs_text[n] = gr.Textbox(
-                                    label=LABELS.get(n, n), lines=2, interactive=False, buttons=["copy"],
-                                    elem_id=f"out-{n}",
-                                )
-                                outs_stats[n] = gr.HTML(panels0[names.index(n)], elem_id=f"stats-{n}")
-                seg_html = gr.HTML("", elem_id="segments")  # the split of a multi-sentence input
-                gr.Markdown("### Per-token divergence from PyTorch")
-                div_html = gr.HTML(
-                    "<div class='state-wait'>Translate something to compare tokens.</div>", elem_id="divergence"
-                )
-                gr.Markdown(
-                    "#### Teacher-forced drift\nEvery ORT backend is fed PyTorch's own output tokens; per step: the "
-                    "largest logit difference from PyTorch, and the rank and probability it gives PyTorch's token. "
-                    "Drift shows here even when the translations agree."
-                )
-                forced_plot = gr.Plot(show_label=False, elem_id="forced-plot", format="png")
-                gr.Markdown("### Latency")
-                lat_table = gr.Dataframe(
-                    headers=LATENCY_HEADERS,
-                    interactive=False,
-                    elem_id="latency-table",
-                    wrap=True,
-                    label="milliseconds; with N > 1 runs per backend: median of the warm runs 2..N",
-                    column_widths=["17%", "9%", "7%", "8%", "7%", "8%", "8%", "8%", "10%", "10%", "8%"],
-                )
-                lat_plot = gr.Plot(show_label=False, elem_id="latency-plot", format="png")
-                with gr.Accordion("Raw result (the `compare` API's JSON)", open=False):
-                    raw = gr.JSON(elem_id="raw-json")
+            compare_tab.build(loaded)
             benchmark_tab.build(loaded)
             spotcheck_tab.build(loaded)
-
-        outputs = [
-            status, *[outs_text[n] for n in names], *[outs_stats[n] for n in names], seg_html,
-            div_html, forced_plot, lat_table, lat_plot, raw,
-        ]  # fmt: skip
-
-        def frame(msg: str, results: dict, running: str | None, segments: list[dict]):
-            """Every output's value for the results so far; `running` is the backend now busy."""
-            out = {"reference": REFERENCE, "segments": segments, "backends": results}
-            texts = [(results[n]["text"] or "") if n in results else "" for n in names]
-            stats = []
-            for n in names:
-                info = loaded.backends[n].info if n in loaded.backends else {}
-                if n in results:
-                    stats.append(panel_html(n, results[n], "", info))
-                elif n in loaded.load_errors:
-                    stats.append(panel_html(n, {"error": f"failed to load: {loaded.load_errors[n]}"}, "", info))
-                else:
-                    stats.append(panel_html(n, None, "running…" if n == running else "waiting…", info))
-            compared = any(n in results for n in names if n != REFERENCE)
-            return (
-                msg,
-                *texts,
-                *stats,
-                segments_html(out),
-                divergence_html(out) if compared else "<div class='state-wait'>waiting for the ORT backends…</div>",
-                forced_figure(out) if compared else None,
-                latency_rows(out) if results else None,
-                latency_figure(out) if results else None,
-                out,
-            )
-
-        def translate_ui(text_in: str, n_repeat: float):
-            try:
-                # Empty or too long an input is refused here, before any model call; the split is
-                # shown from the first frame on.
-                segments = segments_json(plan(loaded.backends, text_in, loaded.limits))
-                split = f"Split into {len(segments)} segments. " if len(segments) > 1 else ""
-                results: dict[str, dict] = {}
-                order = [n for n in names if n not in loaded.load_errors]
-                first = order[0] if order else None
-                msg = f"{split}Running {LABELS.get(first, first)}…" if first else split
-                yield frame(msg, results, first, segments)
-                for r in compare_iter(loaded.backends, text_in, repeat=int(n_repeat), **opts):
-                    results[r.name] = r.to_json()
-                    nxt = next((n for n in order if n not in results), None)
-                    msg = f"{split}{len(results)}/{len(names)} done; running {LABELS.get(nxt, nxt)}…"
-                    yield frame(msg, results, nxt, segments)
-            except InputError as e:
-                yield (f"⚠️ **{e}**", *[""] * len(names), *initial_panels(), "", "", None, None, None, None)
-                return
-            finally:
-                trim_heap()  # one long request must not leave the process at its high-water mark
-            n_ok = sum(1 for b in results.values() if not b.get("error"))
-            runs = f", {int(n_repeat)} runs each" if n_repeat > 1 else ""
-            yield frame(f"{split}Done: {n_ok}/{len(names)} backends translated{runs}.", results, None, segments)
-
-        def compare_api(text: str, repeat: int = 1) -> Iterator[dict]:
-            """Translate `text` with every backend, one at a time; returns translations, tokens,
-            timings and divergence from PyTorch as {"reference", "segments", "backends": {name: {...}}}.
-            Text of several sentences is split into segments, translated as a batch and joined.
-            Streams: one update per finished backend, the last one complete."""
-            try:
-                results = []
-                for r in compare_iter(loaded.backends, text, repeat=repeat, **opts):
-                    results.append(r)
-                    yield to_json(results, REFERENCE)
-            except (InputError, ValueError) as e:
-                raise gr.Error(str(e)) from e
-            finally:
-                trim_heap()
-
-        # One model run at a time across the page and the API: both share the "model" slot.
-        events = dict(
-            fn=translate_ui,
-            inputs=[text, repeat],
-            outputs=outputs,
-            concurrency_limit=1,
-            concurrency_id="model",
-            api_visibility="private",  # UI-only: the API is `compare`
-            show_progress="minimal",
-        )
-        go.click(**events)
-        text.submit(**events)
-        gr.api(compare_api, api_name="compare", concurrency_limit=1, concurrency_id="model")
     return demo
 
 
-# ---------------------------------------------------------------------------------------------
-# Start
+def read_examples(path: Path) -> list[str]:
+    """The example inputs (a TSV with an `en` column); none when the file is absent."""
+    return [p.en for p in read_sentences(path)] if path.is_file() else []
 
 
 def export_name(model: str) -> str:

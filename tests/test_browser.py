@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from app import LABELS
-from backends.segment import join_translations
+from service.segment import join_translations
 from test_app import BACKENDS, SENTENCE, app_model, app_url  # noqa: F401  (fixtures)
 
 CHROMIUM = Path("/usr/bin/chromium")

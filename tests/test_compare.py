@@ -1,4 +1,4 @@
-"""backends/compare.py: alignment on hand-made sequences, then real runs on the tiny backends."""
+"""service/compare.py and backends/divergence.py: alignment on hand-made sequences, then real runs on the tiny backends."""
 
 from __future__ import annotations
 
@@ -10,16 +10,10 @@ import numpy as np
 import pytest
 
 from backends import BACKEND_NAMES, Backend, InputError
-from backends.compare import (
-    align,
-    batches,
-    check_repeat,
-    compare,
-    compare_iter,
-    first_divergence,
-    summarize_runs,
-    to_json,
-)
+from backends.divergence import align, first_divergence
+from backends.timing import summarize_runs
+from service import compare, compare_iter, to_json
+from service.limits import batches, check_repeat
 from conftest import dev_sentences
 
 SENTENCE = "Click outside the spreadsheet to view the slide."
@@ -167,6 +161,57 @@ def test_json_shape(tiny_backends):
         assert {"text", "tokens", "token_ids", "timings_ms", "divergence", "error"} <= set(b)
         assert len(b["tokens"]) == len(b["token_ids"]) == 4
     json.dumps(out)  # serialisable as is
+
+
+# The `compare` API's JSON contract, key for key: a change here is a change for every API user.
+CONTRACT = {
+    "top": {"backends", "reference", "segments"},
+    "split": {"chunked", "end", "start", "text"},
+    "backend": {
+        "divergence", "error", "info", "non_finite_steps", "repeated_run", "runs", "segments", "stop_reason",
+        "text", "timings_ms", "token_ids", "tokens", "warnings",
+    },
+    "segment": {"divergence", "non_finite_steps", "repeated_run", "stop_reason", "text", "token_ids", "tokens"},
+    "segment_divergence": {"agreement", "first_step", "identical", "length", "matching", "reference_length"},
+    "divergence": {
+        "agreement", "alignment", "first", "identical", "length", "matching", "reference_length", "segment",
+        "segments", "segments_identical", "teacher_forced",
+    },
+    "alignment": {"op", "ref", "ref_id", "ref_step", "step", "token", "token_id"},
+    "first": {"step", "reference", "backend"},
+    "step_view": {
+        "margin_logprob", "margin_prob", "other_token_prob", "prob", "runner_up", "runner_up_prob", "token", "token_id",
+    },
+    "teacher_forced": {
+        "max_abs_dlogit", "max_abs_dlogit_overall", "non_finite_mismatch_steps", "ref_token_prob",
+        "ref_token_prob_reference", "ref_token_rank", "steps", "steps_not_argmax",
+    },
+    "runs": {"cold_ms", "max_ms", "median_ms", "min_ms", "n", "over", "spread_ms", "stdev_ms", "totals_ms"},
+    "timings_ms": {"decode", "encode", "first_token", "per_token", "steps", "tokenize", "total"},
+}  # fmt: skip
+
+
+def test_json_contract_is_pinned(tiny_backends):
+    """Every key of the `compare` JSON, on a two-segment input with a forced divergence."""
+    flipped = dict(tiny_backends)
+    kv = tiny_backends["ort_fp32_kv_cache"]
+    flipped["ort_int8"] = _wrap(kv, "ort_int8", _SwapAtStep(kv.model, step=1))
+    out = compare(flipped, "Click OK. Then close the window.", max_new_tokens=4)
+    assert set(out) == CONTRACT["top"]
+    assert all(set(s) == CONTRACT["split"] for s in out["segments"]) and len(out["segments"]) == 2
+    for name, b in out["backends"].items():
+        assert set(b) == CONTRACT["backend"], name
+        assert set(b["runs"]) == CONTRACT["runs"] and set(b["timings_ms"]) == CONTRACT["timings_ms"]
+        for seg in b["segments"]:
+            assert set(seg) == CONTRACT["segment"]
+            if name != "pytorch":
+                assert set(seg["divergence"]) == CONTRACT["segment_divergence"]
+    d = out["backends"]["ort_int8"]["divergence"]
+    assert set(d) == CONTRACT["divergence"] and not d["identical"]
+    assert all(set(a) == CONTRACT["alignment"] for a in d["alignment"])
+    assert set(d["first"]) == CONTRACT["first"]
+    assert set(d["first"]["reference"]) == set(d["first"]["backend"]) == CONTRACT["step_view"]
+    assert set(d["teacher_forced"]) == CONTRACT["teacher_forced"]
 
 
 def test_controlled_flip_is_found_with_its_numbers(tiny_backends):
@@ -341,5 +386,5 @@ def test_compare_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, backends.compare; sys.exit('torch' in sys.modules)"
+    code = "import sys, service, backends.divergence; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

@@ -24,8 +24,9 @@ import pytest
 from gradio_client import Client
 
 import app
+from ui import compare_render
 from backends import BACKEND_NAMES, Backend, ManifestError, SessionConfig, try_load_backends
-from backends.compare import compare
+from service import compare
 from backends.manifest import MANIFEST_NAME, load_manifest, sha256_file
 from conftest import REPO
 from export.__main__ import main as export_main
@@ -164,7 +165,7 @@ def test_a_session_error_while_translating_is_shown_in_its_place(tiny_backends):
     assert b["text"] is None and b["segments"] == [] and b["divergence"] is None
     for name in (n for n in BACKEND_NAMES if n != "ort_fp32_kv_cache"):
         assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == MAX_NEW
-    panel = app.panel_html("ort_fp32_kv_cache", b, "", kv.info)
+    panel = compare_render.panel_html("ort_fp32_kv_cache", b, "", kv.info)
     assert "error: InvalidArgument" in panel
     # the same engine is fine again on the next request: a failed run leaves nothing behind
     assert compare({"ort_fp32_kv_cache": kv}, SENTENCE, max_new_tokens=MAX_NEW)["backends"]["ort_fp32_kv_cache"][

@@ -1,6 +1,6 @@
 """Hostile and boundary inputs through every backend, the compare API and the page's own handler.
 
-Each input kind runs through the five tiny backends (backends.compare), then through the app built
+Each input kind runs through the five tiny backends (service.compare), then through the app built
 in-process: its `compare` endpoint via gradio_client, and its UI event handler (`translate_ui`)
 called as the page calls it. Nothing may crash, hang or be cut: a result or a clear error.
 Degenerate output and non-finite logits are produced by real engines wrapped to misbehave, and
@@ -19,8 +19,8 @@ import pytest
 from gradio_client import Client
 
 from backends import APPROXIMATE, BACKEND_NAMES, Backend, InputError
-from backends.compare import RequestLimits, compare, compare_iter
-from backends.segment import clean, join_translations
+from service import RequestLimits, compare, compare_iter
+from service.segment import clean, join_translations
 from conftest import dev_sentences
 
 MAX_NEW = 6  # the tiny random model rarely emits eos: a small cap keeps every run short
@@ -80,7 +80,7 @@ def check_complete(out: dict, text: str, tokenizer, limit: int) -> None:
 
 @pytest.fixture(scope="module")
 def direct(tiny_backends):
-    """Each kind through backends.compare once: {kind: JSON}."""
+    """Each kind through service.compare once: {kind: JSON}."""
     return {kind: compare(tiny_backends, text, max_new_tokens=MAX_NEW) for kind, text in KINDS.items()}
 
 
@@ -243,7 +243,7 @@ class _NonFinite:
 
 
 def test_a_repeated_token_run_is_flagged_in_the_json_and_the_panel(tiny_backends):
-    import app
+    from ui import compare_render
 
     int8 = tiny_backends["ort_int8"]
     token = int8.tokenizer.encode(["save"], 512).input_ids[0, 0]
@@ -256,13 +256,13 @@ def test_a_repeated_token_run_is_flagged_in_the_json_and_the_panel(tiny_backends
         f"stopped at the {MAX_NEW}-token cap before eos",
     ]
     assert b["error"] is None and b["text"]  # suspicious, still a translation: shown with the warning
-    panel = app.panel_html("ort_int8", b, "", {})
+    panel = compare_render.panel_html("ort_int8", b, "", {})
     assert f"⚠ repeated token run of {MAX_NEW}" in panel and "state-warn" in panel
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
 def test_non_finite_logits_are_an_error_not_a_translation(tiny_backends, value):
-    import app
+    from ui import compare_render
 
     fp16 = tiny_backends["ort_fp16"]
     backends = dict(tiny_backends, ort_fp16=_wrap(fp16, _NonFinite(fp16.model, step=2, value=value)))
@@ -276,9 +276,9 @@ def test_non_finite_logits_are_an_error_not_a_translation(tiny_backends, value):
     for name in ("pytorch", *FP32):
         assert out["backends"][name]["error"] is None and out["backends"][name]["text"]
     assert out["backends"]["ort_int8"]["divergence"]["teacher_forced"]["steps"] > 0
-    panel = app.panel_html("ort_fp16", b, "", {})
+    panel = compare_render.panel_html("ort_fp16", b, "", {})
     assert "non-finite logits (NaN/Inf) at step 2" in panel and "state-err" in panel
-    assert "ORT fp16 · KV cache" in app.divergence_html(out) and "non-finite" in app.divergence_html(out)
+    assert "ORT fp16 · KV cache" in compare_render.divergence_html(out) and "non-finite" in compare_render.divergence_html(out)
 
 
 def test_non_finite_logits_in_one_segment_name_that_segment(tiny_backends):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from backends.segment import clean, join_translations, split_text
+from service.segment import clean, join_translations, split_text
 
 
 def words_plus_eos(text: str) -> int:

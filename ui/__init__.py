@@ -1,9 +1,11 @@
-"""The app's extra tabs, each a `build(loaded)` to call inside app.py's gr.Tabs().
+"""The app's tabs, each a `build(loaded)` to call inside app.py's gr.Tabs().
 
-benchmark_tab   the newest speed report from bench-results/, and a quick run on the loaded backends
-spotcheck_tab   a pasted or uploaded list of sentences through every loaded backend
-inputs          reading that list: pasted lines or table, .txt or .tsv, every limit checked first
-machine         a warning when the machine was busier than its cores while timing
+compare_tab      one text through every backend: panels, divergence, drift, latency; the `compare` API
+compare_render   the Compare tab's HTML, tables and figures, from the `compare` JSON
+benchmark_tab    the newest speed report from bench-results/, and a quick run on the loaded backends
+spotcheck_tab    a pasted or uploaded list of sentences through every loaded backend
+state            `Loaded`: what app.py prepared (backends, load errors, limits, examples)
+machine          a warning when the machine was busier than its cores while timing
 
-Rendering only: the measuring is bench.speed.quick_run and bench.quality.spot_check.
+Layout, events and rendering only: the work is the request layer's (`service/`).
 """
