@@ -1,6 +1,7 @@
 """The shipped model's conventions, and the training code on a tiny synthetic corpus."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -31,9 +32,10 @@ def shipped():
 
 
 def test_shipped_size_limits(shipped):
+    # The demo's budget (issue 18): at most 30M parameters and 120 MB on disk.
     _, model = shipped
-    assert count_parameters(model) <= 25_000_000
-    assert (SHIPPED / "model.safetensors").stat().st_size <= 60 * 1024 * 1024
+    assert count_parameters(model) <= 30_000_000
+    assert (SHIPPED / "model.safetensors").stat().st_size <= 120 * 1000 * 1000
     leftovers = [p.name for p in SHIPPED.iterdir() if p.suffix in (".pt", ".bin", ".txt", ".log")]
     assert leftovers == []
 
@@ -48,9 +50,12 @@ def test_shipped_special_ids(shipped):
     assert cfg.vocab_size == len(vocab)
     assert (cfg.pad_token_id, cfg.decoder_start_token_id, cfg.eos_token_id) == (pad, pad, 0)
     gen = model.generation_config
-    assert gen.bad_words_ids == [[pad]] and gen.num_beams == 1 and gen.max_length == 512
+    assert gen.bad_words_ids == [[pad]] and gen.max_length == 512 and not gen.do_sample
+    # config.json carries the same decoding setting for tools that read it there.
     raw = json.loads((SHIPPED / "config.json").read_text())
-    assert raw["bad_words_ids"] == [[pad]] and raw["max_length"] == 512 and raw["num_beams"] == 1
+    assert raw["bad_words_ids"] == [[pad]] and raw["max_length"] == 512 and raw["num_beams"] == gen.num_beams
+    assert raw.get("no_repeat_ngram_size", 0) == (gen.no_repeat_ngram_size or 0)
+    assert raw.get("repetition_penalty", 1.0) == (gen.repetition_penalty or 1.0)
     assert (raw["activation_function"], raw["max_position_embeddings"], raw["scale_embedding"]) == ("swish", 512, True)
 
 
@@ -161,22 +166,108 @@ def test_training_cli_and_resume(tmp_path):
 
     corpus = tmp_path / "corpus"
     _corpus(corpus)
+    # Two training files, as data/train.tsv.gz + data/extra.tsv.gz: both are read.
+    lines = (corpus / "train.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (corpus / "train.tsv").write_text("".join(lines[:151]), encoding="utf-8")
+    (corpus / "extra.tsv").write_text(lines[0] + "".join(lines[151:]), encoding="utf-8")
     out, run = tmp_path / "model", tmp_path / "run"
-    common = ["--out", str(out), "--train", str(corpus / "train.tsv"), "--dev", str(corpus / "dev.tsv"), "--run-dir", str(run), *TINY]
+    common = ["--out", str(out), "--train", str(corpus / "train.tsv"), str(corpus / "extra.tsv"),
+              "--dev", str(corpus / "dev.tsv"), "--run-dir", str(run), *TINY,
+              "--num-beams", "2", "--no-repeat-ngram-size", "3"]
     main([*common, "--max-steps", "3", "--no-eval"])
     first = json.loads((run / "summary.json").read_text())
     assert first["steps"] == 3 and first["pairs_used"] == 200
+    assert first["filter"]["read"] == 200
     main([*common, "--max-steps", "6", "--resume"])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6
     assert "resumed at step 3" in (run / "train.log").read_text()
     result = json.loads((out / "eval.json").read_text())
     assert result["whole"]["rows"] == 2 and result["tatoeba"]["rows"] == 1
+    assert 0 <= result["whole"]["repeat4_share"] <= 1
+    # The chosen decoding setting is shipped in both files and is the one the scores were made with.
+    assert result["decoding_options"] == {"num_beams": 2, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3}
     tok = MarianTokenizer.from_pretrained(str(out))
     model = MarianMTModel.from_pretrained(str(out))
     pad = len(tok.get_vocab()) - 1
     assert model.config.decoder_start_token_id == pad and model.generation_config.bad_words_ids == [[pad]]
+    gen = model.generation_config
+    assert (gen.num_beams, gen.no_repeat_ngram_size, gen.repetition_penalty) == (2, 3, 1.0)
+    raw = json.loads((out / "config.json").read_text())
+    assert (raw["num_beams"], raw["no_repeat_ngram_size"]) == (2, 3)
     assert count_parameters(model) == summary["parameters"]
+    # Each checkpoint left a snapshot; the learning curve scores them on the whole dev file.
+    from train.curve import curve_table, score_run
+
+    assert sorted(p.name for p in (run / "snapshots").iterdir()) == ["step-3.pt", "step-6.pt"]
+    rows = score_run(run, corpus / "dev.tsv")
+    assert [r["step"] for r in rows] == [3, 6] and rows[1]["minutes"] is not None
+    assert json.loads((run / "curve.json").read_text()) == rows
+    assert score_run(run, corpus / "dev.tsv") == rows  # already scored: nothing redone
+    assert curve_table(rows).count("\n") == 3
+
+
+def test_training_cli_rejects_bad_decoding(capsys):
+    from train.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--num-beams", "0"])
+    assert "num_beams" in capsys.readouterr().err
+    assert parse_args(["--out", "x"]).train[-1].name == "extra.tsv.gz"
+
+
+# -- evaluation -----------------------------------------------------------------------------
+
+def test_repeated_token_runs():
+    from train.evaluate import longest_run, repeat_share
+
+    assert longest_run("风风风风风风很很很。") == 6
+    assert longest_run("今天很冷。") == 1
+    # Words and numbers count as one token each, as sacrebleu's zh tokenizer splits them.
+    assert longest_run("版本 3 3 3 3") == 4 and longest_run("aaaa") == 1
+    hyps = ["空单元格不计数或被被被被", "今天很冷。", "哈哈哈", "好好好好好"]
+    assert repeat_share(hyps) == 0.5 and repeat_share(hyps, min_run=3) == 0.75 and repeat_share([]) == 0.0
+
+
+def test_decoding_setting():
+    from transformers import GenerationConfig
+
+    from train.evaluate import Decoding, sweep_table
+
+    d = Decoding.parse("5:1.2:3")
+    assert (d.num_beams, d.repetition_penalty, d.no_repeat_ngram_size) == (5, 1.2, 3)
+    assert Decoding.parse("4") == Decoding(num_beams=4)
+    assert d.generate_kwargs() == {"num_beams": 5, "do_sample": False, "repetition_penalty": 1.2,
+                                   "no_repeat_ngram_size": 3}
+    for bad in ("0", "5:0.5", "5:1.0:-1", "1:2:3:4"):
+        with pytest.raises(ValueError):
+            Decoding.parse(bad)
+    assert Decoding.of(GenerationConfig(num_beams=4, no_repeat_ngram_size=3)) == Decoding(4, 1.0, 3)
+    table = sweep_table([{**dataclasses.asdict(d), "bleu": 30.1, "chrf": 27.0, "tatoeba_bleu": 22.5,
+                          "docs_bleu": 33.0, "repeat4_share": 0.012, "decode_seconds": 40}])
+    assert table.splitlines()[-1] == "| 5 | 1.2 | 3 | 30.10 | 27.00 | 22.50 | 33.00 | 1.2% | 40 |"
+
+
+def test_no_repeat_ngram_removes_stutter(tmp_path):
+    """The decoding options really reach generate(): n-gram blocking caps a looping model's runs."""
+    from train.evaluate import Decoding, longest_run, translate
+    from train.tokenizer import train_spm, write_tokenizer
+
+    corpus = tmp_path / "corpus"
+    _corpus(corpus)
+    pairs = read_pairs(corpus / "train.tsv")
+    src = train_spm([p.en for p in pairs], tmp_path / "spm" / "source", 60, 1.0)
+    tgt = train_spm([p.zh for p in pairs], tmp_path / "spm" / "target", 60, 1.0, "identity")
+    tok = write_tokenizer(tmp_path / "tok", src, tgt, [p.zh for p in pairs[:5]])
+    model = build_model(len(tok.get_vocab()), ModelSize(d_model=32, heads=2, ffn=64, encoder_layers=1, decoder_layers=1))
+    # An untrained model that always prefers one Chinese piece: greedy repeats it to the length cap.
+    piece = tok.get_vocab()[tok.spm_target.encode("猫", out_type=str)[-1]]
+    with torch.no_grad():
+        model.final_logits_bias[0, piece] = 50.0
+    greedy = translate(model, tok, ["Please open the cat number 3."])[0]
+    blocked = translate(model, tok, ["Please open the cat number 3."], decoding=Decoding(no_repeat_ngram_size=1))[0]
+    assert longest_run(greedy) >= 4, greedy
+    assert longest_run(blocked) <= 1, blocked
 
 
 def test_loss_goes_down(tmp_path):

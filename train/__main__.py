@@ -1,7 +1,9 @@
 """`python -m train --out assets/marian-en-zh-small`: corpus → tokenizer → model → eval.
 
-Defaults are the settings of the shipped model. Work files (spm inputs, checkpoints, log) go to
---run-dir; `--resume` continues from its latest checkpoint with a fresh --max-minutes budget.
+Defaults are the v2 recipe (issue 18): data/train.tsv.gz + data/extra.tsv.gz, a 23.9M-parameter
+MarianMTModel (d_model 384, 6+3 layers), peak lr 1e-3. Work files (spm inputs, checkpoints,
+snapshots, log) go to --run-dir; `--resume` continues from its latest checkpoint with a fresh
+--max-minutes budget, so the recipe runs as several invocations of at most 90 minutes each.
 """
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from corpus import DEV_TSV, TRAIN_TSV
+from corpus import DATA, DEV_TSV, TRAIN_TSV
 
 logger = logging.getLogger("train")
 
 REPO = Path(__file__).resolve().parents[1]
+# Game catalogs (Wesnoth, Freeciv) added for v2; see data/SOURCES.md. Same format as train.tsv.gz.
+EXTRA_TSV = DATA / "extra.tsv.gz"
+DEFAULT_TRAIN = (TRAIN_TSV, EXTRA_TSV)
 
 
 def parse_args(argv=None):
+    from .evaluate import SHIPPED_DECODING, Decoding
     from .loop import TrainOptions
     from .model import ModelSize
 
@@ -29,7 +35,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="model folder to write (HF format)")
-    p.add_argument("--train", type=Path, default=TRAIN_TSV, help="training pairs TSV (default data/train.tsv.gz)")
+    p.add_argument("--train", type=Path, nargs="+", default=list(DEFAULT_TRAIN),
+                   help="training pairs TSV file(s), read in order (default data/train.tsv.gz data/extra.tsv.gz)")
     p.add_argument("--dev", type=Path, default=DEV_TSV, help="dev pairs TSV for selection and scores (default data/dev.tsv)")
     p.add_argument("--run-dir", type=Path, default=None, help="work files; default runs/<out folder name>")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
@@ -49,6 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=m.ffn)
     p.add_argument("--encoder-layers", type=int, default=m.encoder_layers)
     p.add_argument("--decoder-layers", type=int, default=m.decoder_layers)
+    p.add_argument("--num-beams", type=int, default=SHIPPED_DECODING.num_beams,
+                   help="decoding setting written to generation_config.json (chosen on dev.tsv, see MODEL_CARD.md)")
+    p.add_argument("--repetition-penalty", type=float, default=SHIPPED_DECODING.repetition_penalty)
+    p.add_argument("--no-repeat-ngram-size", type=int, default=SHIPPED_DECODING.no_repeat_ngram_size)
     p.add_argument("--limit", type=int, default=0, help="use only the first N training pairs (tests)")
     p.add_argument("--no-eval", action="store_true", help="skip the full dev evaluation at the end")
     p.add_argument("--seed", type=int, default=t.seed)
@@ -56,6 +67,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not 0 < args.max_minutes <= 90:
         p.error("--max-minutes must be in (0, 90]: one run must fit the 90-minute budget; use --resume")
+    try:
+        args.decoding = Decoding(args.num_beams, args.repetition_penalty, args.no_repeat_ngram_size)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -104,7 +119,7 @@ def _run(args, run_dir: Path, argv) -> None:
     torch.manual_seed(opts.seed)
     wall_start = time.monotonic()
 
-    pairs, filter_stats = filter_pairs(read_pairs(args.train, require_zh=True))
+    pairs, filter_stats = filter_pairs(read_training_pairs(args.train))
     if args.limit:
         pairs = pairs[: args.limit]
     dev_pairs = read_pairs(args.dev, require_zh=True)
@@ -130,6 +145,7 @@ def _run(args, run_dir: Path, argv) -> None:
                 len(encoded), len(pairs) - len(encoded), opts.max_len, n_src, n_tgt)
 
     model = build_model(len(tok.get_vocab()), size, seed=opts.seed)
+    model.config.to_json_file(str(run_dir / "config.json"))  # for `python -m train.curve RUN_DIR`
     n_params = count_parameters(model)
     logger.info("model: %s, %d parameters", asdict(size), n_params)
     trainer = Trainer(model, tok, encoded, dev_subset, run_dir, opts)
@@ -141,7 +157,7 @@ def _run(args, run_dir: Path, argv) -> None:
     trainer.train()
 
     model.load_state_dict(torch.load(trainer.best_path, map_location="cpu"))
-    save_model(model, tok, args.out, generation_config(model.config))
+    save_model(model, tok, args.out, generation_config(model.config, **asdict(args.decoding)))
     summary = {
         "command": "python -m train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "filter": filter_stats, "pairs_used": len(encoded), "source_tokens": n_src, "target_tokens": n_tgt,
@@ -152,11 +168,23 @@ def _run(args, run_dir: Path, argv) -> None:
         "selection": {"best_dev_subset_bleu": round(trainer.best_bleu, 2), "history": trainer.history},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    examples = args.out.parent / "examples.tsv"
+    examples = REPO / "assets" / "examples.tsv"
     result = {} if args.no_eval else evaluate(args.out, args.dev, run_dir / "dev_hyps.tsv", examples=examples)
     result["training"] = summary
     (args.out / "eval.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     logger.info("wrote %s: %s", args.out, {k: v for k, v in result.items() if k != "training"})
+
+
+def read_training_pairs(paths):
+    """The pairs of every training file, in the order given (the filter then dedupes across them)."""
+    from corpus import read_pairs
+
+    pairs = []
+    for path in paths:
+        part = read_pairs(path, require_zh=True)
+        logger.info("read %d pairs from %s", len(part), path)
+        pairs.extend(part)
+    return pairs
 
 
 def save_model(model, tok, out: Path, gen_config) -> None:
@@ -169,7 +197,9 @@ def save_model(model, tok, out: Path, gen_config) -> None:
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     pad = model.config.pad_token_id
-    cfg.update({"bad_words_ids": [[pad]], "max_length": 512, "num_beams": 1,
+    cfg.update({"bad_words_ids": [[pad]], "max_length": 512, "num_beams": gen_config.num_beams,
+                "repetition_penalty": gen_config.repetition_penalty,
+                "no_repeat_ngram_size": gen_config.no_repeat_ngram_size,
                 "decoder_start_token_id": pad, "pad_token_id": pad, "eos_token_id": 0})
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
