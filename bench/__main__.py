@@ -16,8 +16,10 @@ import datetime as dt
 import sys
 from pathlib import Path
 
+from corpus import read_pairs
+
 from . import peers as peers_mod
-from .data import DEFAULT_TSV, RESULTS, read_tsv, resolve_model, sentences_arg
+from .data import DEFAULT_TSV, RESULTS, resolve_model, sentences_arg
 
 
 def _csv(value: str) -> list[str]:
@@ -34,6 +36,8 @@ def _default_out(command: str, export_dir: Path) -> Path:
 
 
 def speed(args) -> int:
+    from service.speedrun import SpeedOptions
+
     from . import speed as speed_mod
 
     pairs = sentences_arg(args.sentences)
@@ -50,7 +54,7 @@ def speed(args) -> int:
         fields["batch_sizes"] = args.batch_sizes
     if args.sweep is not None:
         fields["sweep_lengths"] = args.sweep
-    options = speed_mod.SpeedOptions(**fields)
+    options = SpeedOptions(**fields)
     peers = []
     if args.peers:
         peers = args.peer_list or list(peers_mod.PEER_NAMES)
@@ -64,9 +68,9 @@ def speed(args) -> int:
 
 def quality(args) -> int:
     from . import quality as quality_mod
-    from . import report
+    from .report import write_quality
 
-    pairs = read_tsv(args.tsv)
+    pairs = read_pairs(args.tsv, require_zh=True)
     if args.sentences:
         pairs = pairs[: args.sentences]
     export_dir = resolve_model(args.model, threads=args.threads)
@@ -75,7 +79,7 @@ def quality(args) -> int:
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                               log=lambda m: print(m, flush=True))
     results["tsv"] = str(args.tsv)
-    report.write(results, out)
+    write_quality(results, out)
     for name, b in results["backends"].items():
         a, q = b["agreement"], b["vs_references"] or {}
         print(f"{name}: identical tokens {a['identical']}/{a['n']}, BLEU {q.get('bleu', '–')}, chrF {q.get('chrf', '–')}"

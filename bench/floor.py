@@ -112,9 +112,8 @@ def update(results_dir: Path, threads: int | None = None) -> dict:
     import json
 
     from backends import load_manifest
-
-    from . import report
-    from .speed import targets
+    from service.reports import write
+    from service.speedrun import targets
 
     path = Path(results_dir) / "results.json"
     results = json.loads(path.read_text(encoding="utf-8"))
@@ -123,7 +122,7 @@ def update(results_dir: Path, threads: int | None = None) -> dict:
     env["floor"] = floors(export_dir, load_manifest(export_dir), threads or results["options"]["threads"])
     env["floor"]["measured_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     results["targets"] = targets(results)
-    report.write(results, Path(results_dir))
+    write(results, Path(results_dir))
     return results
 
 

@@ -40,7 +40,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .data import DEFAULT_TSV, _version, default_sample, environment
+from corpus import default_sample
+from service.environment import environment, version
+
+from .data import DEFAULT_TSV
 
 API_NAME = "/compare"
 PERCENTILES = (50, 95, 99)
@@ -354,7 +357,7 @@ def _results(url, options, pid, pairs, warmup, records, samples, stuck, run_s, s
         app_cpu = round(samples[-1]["cpu_s"] - samples[0]["cpu_s"], 1)
     env.pop("threads")  # the app's threads are its own flag; the load generator has one per user
     env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    env["versions"].update({p: v for p in ("gradio", "gradio_client", "psutil") if (v := _version(p))})
+    env["versions"].update({p: v for p in ("gradio", "gradio_client", "psutil") if (v := version(p))})
     return {
         "kind": "load",
         "url": url,
@@ -362,7 +365,7 @@ def _results(url, options, pid, pairs, warmup, records, samples, stuck, run_s, s
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
         "environment": env,
         "sentences": {"tsv": str(options.tsv), "seed": options.seed, "distinct": len(pairs),
-                      "drawn": "10-40 English words (bench.data.default_sample); request i sends sentence "
+                      "drawn": "10-40 English words (corpus.default_sample); request i sends sentence "
                                "i mod distinct"},
         "counts": {"requests": options.requests, "sent": sent, "not_sent": options.requests - sent,
                    "finished": len(records), **counts, "error_kinds": kinds,

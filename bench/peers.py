@@ -15,7 +15,8 @@ environment, `.venv-bench` (`make bench-venv`, from requirements-bench.txt). The
 (`python -m bench speed --peers`) converts the model once per source weights into
 `exports/peers/<export name>/` with that environment's tools, then runs each peer in its own
 subprocess of that environment: `python -m bench.peers worker ...`, which imports only this module
-and `bench.protocol`, and writes its results as JSON.
+and the measurement protocol (service/protocol.py, loaded by path: `bench/protocol.py` says why),
+and writes its results as JSON.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""python -m bench.worker: one of our backends, alone in this process, through `bench.protocol`.
+"""python -m bench.worker: one of our backends, alone in this process, through the measurement protocol.
 
 Driven by `python -m bench speed`: one subprocess per backend, so each one's load time and peak
 resident memory are its own (no other backend's sessions or torch in the same process).
@@ -13,18 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .protocol import Output, Spec, measure, peak_rss_mb, rss_mb
-
-
-class BackendRuntime:
-    """Adapts a `backends.Backend` to the protocol. top_k=1: the fewest per-step alternatives kept."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def translate(self, texts, max_new_tokens, min_new_tokens):
-        results = self.backend.translate(texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1)
-        return [Output(t.token_ids, t.text) for t in results]
+from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, rss_mb
 
 
 def size_on_disk(backend) -> tuple[int, list[str]]:

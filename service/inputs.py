@@ -2,15 +2,19 @@
 
 Pasted text is one English sentence per line, or a tab-separated table whose first line is a header
 naming an `en` column (and `zh` for references), as copied from a corpus TSV. Files: `.txt`, one
-sentence per line; `.tsv`, a header row with `en` and optionally `zh`. Blank lines are skipped;
-nothing else is dropped or cut: a row without text, or without a reference in a `zh` column, is an
-error with its line number.
+sentence per line; `.tsv`, a header row with `en` and optionally `zh`. A table is read by the one
+corpus reader (`corpus.parse_tsv_lines`), so it follows the corpus format (data/SOURCES.md): the
+columns `source`, `en`, `zh`, every row with as many fields as the header. Blank lines are skipped;
+nothing else is dropped or cut: a row without text, or without a reference when the table has a
+`zh` column, is an error with its line number, and every such row is named at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from corpus import CorpusError, parse_tsv_lines
 
 FILE_TYPES = (".txt", ".tsv")
 MAX_FILE_BYTES = 1_000_000  # far above 200 sentences; keeps a wrong upload from being read whole
@@ -40,7 +44,7 @@ def from_text(text: str | None, source: str = "pasted text") -> Sentences:
     if first is None:
         raise ValueError(f"no sentences: {HOW}")
     if "\t" in lines[first]:  # a table copied from a TSV: its first line must be the header
-        return _table(lines, first, source)
+        return _table(lines, source)
     tabbed = [str(i + 1) for i, line in enumerate(lines) if "\t" in line]
     if tabbed:
         raise ValueError(
@@ -50,34 +54,21 @@ def from_text(text: str | None, source: str = "pasted text") -> Sentences:
     return Sentences([line.strip() for line in lines if line.strip()], None, source)
 
 
-def _table(lines: list[str], head: int, source: str) -> Sentences:
-    header = [h.strip() for h in lines[head].split("\t")]
-    if "en" not in header:
-        raise ValueError(
-            f"{source}: line {head + 1} is read as the header row (it holds tabs) but names no `en` column "
-            f"(found: {', '.join(repr(h) for h in header)}); name the columns `en` and optionally `zh`"
-        )
-    en_col, zh_col = header.index("en"), header.index("zh") if "zh" in header else None
-    en, zh, problems = [], [], []
-    for n, line in enumerate(lines[head + 1 :], start=head + 2):
-        if not line.strip():
-            continue
-        cols = line.split("\t")
-        text = cols[en_col].strip() if len(cols) > en_col else ""
-        if not text:
-            problems.append(f"line {n} has no `en` text")
-            continue
-        en.append(text)
-        if zh_col is not None:
-            ref = cols[zh_col].strip() if len(cols) > zh_col else ""
-            if not ref:
-                problems.append(f"line {n} has no `zh` reference")
-            zh.append(ref)
+def _table(lines: list[str], source: str) -> Sentences:
+    """A table: its first non-blank line is the header row; with a `zh` column every row needs a reference."""
+    header = next(line for line in lines if line.strip())
+    has_zh = "zh" in [h.strip() for h in header.split("\t")]
+    problems: list[str] = []
+    try:
+        pairs = list(parse_tsv_lines(lines, source, require_zh=has_zh, skip_blank=True, problems=problems))
+    except CorpusError as e:  # the header row
+        raise ValueError(f"{e}. A table's first line is its header row: name the columns `en`, and `zh` for "
+                         "references") from None
     if problems:
-        raise ValueError(f"{source}: {_listed(problems)}")
-    if not en:
+        raise ValueError(_listed(problems))
+    if not pairs:
         raise ValueError(f"{source}: a header row and no sentences")
-    return Sentences(en, zh if zh_col is not None else None, source)
+    return Sentences([p.en for p in pairs], [p.zh for p in pairs] if has_zh else None, source)
 
 
 def from_file(path: str | Path) -> Sentences:
@@ -94,10 +85,9 @@ def from_file(path: str | Path) -> Sentences:
         raise ValueError(f"{name} is not UTF-8 text (undecodable byte at offset {e.start}); save it as UTF-8") from e
     if suffix == ".tsv":
         lines = text.lstrip("\ufeff").splitlines()
-        first = next((i for i, line in enumerate(lines) if line.strip()), None)
-        if first is None:
+        if not any(line.strip() for line in lines):
             raise ValueError(f"{name} is empty: {HOW}")
-        return _table(lines, first, name)
+        return _table(lines, name)
     if "\t" in text:  # a table saved as .txt: reading it as sentences would translate the other columns too
         line = next(i + 1 for i, x in enumerate(text.splitlines()) if "\t" in x)
         raise ValueError(f"{name}: line {line} holds a tab; a table with references goes in a .tsv with a header row")

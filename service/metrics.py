@@ -1,20 +1,12 @@
-"""Agreement with the reference and translation quality, shared by the speed and quality reports."""
+"""Agreement with the reference backend and translation quality (BLEU, chrF), for every report that compares."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from backends.divergence import first_divergence
+
 BUCKETS = ((0, 0), (1, 4), (5, 9), (10, 19), (20, None))
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first step whose token differs (a prefix diverges at the shorter length); None if equal."""
-    if a == b:
-        return None
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def bucket_label(lo: int, hi: int | None) -> str:

@@ -16,8 +16,8 @@ import pytest
 
 from app import Loaded, build_app
 from backends import APPROXIMATE, BACKEND_NAMES
-from bench.report import load_latest
-from conftest import CORPUS
+from conftest import DEV_TSV
+from service.reports import load_latest
 from ui import benchmark_tab, spotcheck_tab
 
 FP32 = [n for n in BACKEND_NAMES if n != "pytorch" and n not in APPROXIMATE]
@@ -26,7 +26,7 @@ MAX_NEW = 6  # the tiny random model rarely stops by itself: a small cap keeps e
 
 def dev_rows(count: int) -> list[str]:
     """The header and the first `count` rows of dev.tsv, as a user copies them."""
-    lines = (CORPUS / "dev.tsv").read_text(encoding="utf-8").splitlines()
+    lines = DEV_TSV.read_text(encoding="utf-8").splitlines()
     return lines[: count + 1]
 
 
@@ -150,12 +150,17 @@ def _file(tmp_path: Path, name: str, content: str | bytes) -> str:
          "at most 200 sentences per spot-check, got 201"),
         ("too long", "Short one.\n" + "word " * 600, None, "source tokens; too long: sentence 2 ("),
         ("tabs without header", "Hello.\nOne\t一", None, "line(s) 2 hold tabs but the first line is not a header"),
-        ("header without en", "english\tchinese\nHello.\t你好", None, "names no `en` column"),
-        ("reference missing", "en\tzh\nHello.\t你好\nBye.\t", None, "line 3 has no `zh` reference"),
+        ("header without en", "english\tchinese\nHello.\t你好", None,
+         "pasted text:1: the header has no `en` column (found: english, chinese). A table's first line is its header"),
+        ("reference missing", "en\tzh\nHello.\t你好\nBye.\t", None, "pasted text:3: the `zh` field is empty"),
+        ("every bad row named", "\nen\tzh\nHello.\t\n\n\tBye.\nGood.\t好\tmore", None,
+         "pasted text:3: the `zh` field is empty; pasted text:5: the `en` field is empty; "
+         "pasted text:6: expected 2 tab-separated fields (en, zh), got 3"),
+        ("unknown column", "en\tnotes\nHello.\tx", None, "pasted text:1: unknown column(s) notes"),
         ("both given", "Hello.", ("a.txt", "Hello."), "both pasted text and a file were given"),
         ("wrong file type", "", ("a.csv", "en,zh\nHello.,你好"), "a.csv: expected one of .txt, .tsv"),
         ("not utf-8", "", ("a.txt", b"caf\xe9\n"), "a.txt is not UTF-8 text"),
-        ("tsv without en", "", ("b.tsv", "source\ttext\nx\tHello."), "b.tsv: line 1 is read as the header row"),
+        ("tsv without en", "", ("b.tsv", "\nsource\ttext\nx\tHello."), "b.tsv:2: the header has no `en` column"),
         ("table saved as txt", "", ("c.txt", "Hello.\t你好\n"), "c.txt: line 1 holds a tab"),
         ("empty file", "", ("d.txt", "\n\n"), "d.txt is empty"),
     ],

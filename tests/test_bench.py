@@ -1,17 +1,23 @@
-"""bench/: short runs of both commands on the tiny export, asserting the numbers they write."""
+"""bench/ and the runs it shares with the app (service/): short runs on the tiny export, asserting the numbers."""
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench import metrics
-from bench.data import WORDS, default_backends, default_sample, read_tsv
-from bench.protocol import percentiles
-from conftest import CORPUS, REPO, dev_sentences
+from backends.divergence import first_divergence
+from bench.data import default_backends
+from conftest import DEV_TSV, REPO, dev_sentences
+from corpus import SAMPLE_WORDS as WORDS, default_sample, read_pairs
+from service import metrics
+from service.protocol import percentiles
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FP32 = ("ort_fp32_single_step", "ort_fp32_kv_cache")
@@ -38,7 +44,7 @@ def _ordered(lat: dict) -> None:
     ],
 )
 def test_first_divergence(a, b, step):
-    assert metrics.first_divergence(a, b) == step
+    assert first_divergence(a, b) == step
 
 
 def test_agreement_counts_and_buckets():
@@ -72,7 +78,7 @@ def test_bleu_chrf_identical_and_different():
 def test_default_sample_is_fixed_and_in_range():
     a, b = default_sample(200), default_sample(200)
     assert [p.en for p in a] == [p.en for p in b]
-    assert len(a) == min(200, sum(WORDS[0] <= len(p.en.split()) <= WORDS[1] for p in read_tsv(CORPUS / "dev.tsv")))
+    assert len(a) == min(200, sum(WORDS[0] <= len(p.en.split()) <= WORDS[1] for p in read_pairs(DEV_TSV)))
     assert len({p.en for p in a}) == len(a)
     assert all(WORDS[0] <= len(p.en.split()) <= WORDS[1] and p.zh for p in a)
     assert [p.en for p in default_sample(20)] != [p.en for p in a[:20]] or len(a) == 20  # drawn, not sliced
@@ -170,7 +176,7 @@ def test_readme_table_has_ratios(speed_run, capsys):
 
 
 def test_load_latest_finds_the_report(speed_run):
-    from bench.report import load_latest
+    from service.reports import load_latest
 
     _, out, results = speed_run
     latest = load_latest(out.parent)
@@ -206,9 +212,35 @@ def test_quality_command(tiny_export_dir, tmp_path):
 # --- the app's entry points ---------------------------------------------------------------------
 
 
+def test_the_app_and_the_request_layer_never_import_bench():
+    """app.py, ui/ and service/ use bench/'s results only as files; bench/ may import service/."""
+    found = []
+    for path in [REPO / "app.py", *sorted((REPO / "ui").glob("*.py")), *sorted((REPO / "service").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] == "bench"]
+    assert found == []
+
+
+def test_measuring_workers_load_the_protocol_without_the_request_layer():
+    """The worker and peer processes get service/protocol.py by path: no service/__init__, so no backends
+    or ONNX Runtime in a peer's memory or before our workers' timed imports (and none in .venv-bench)."""
+    code = ("import sys, bench.worker, bench.peers, bench.protocol as p; "
+            "print(p.measure.__module__, sorted({m.split('.')[0] for m in sys.modules if m != 'service.protocol'} & "
+            "{'service', 'backends', 'onnxruntime', 'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["service.protocol", "[]"]
+
+
 def test_quick_run_for_the_app(tiny_backends, tmp_path):
-    from bench.report import load_latest, write
-    from bench.speed import quick_run
+    from service.quickbench import quick_run
+    from service.reports import load_latest, write
 
     calls = []
     sentences = dev_sentences(3)
@@ -230,9 +262,9 @@ def test_quick_run_for_the_app(tiny_backends, tmp_path):
 
 
 def test_spot_check_for_the_app(tiny_backends):
-    from bench.quality import spot_check
+    from service.spotcheck import spot_check
 
-    pairs = read_tsv(CORPUS / "dev.tsv")[:3]
+    pairs = read_pairs(DEV_TSV)[:3]
     r = spot_check(tiny_backends, [p.en for p in pairs], references=[p.zh for p in pairs], max_new_tokens=8)
     assert r["reference"] == "pytorch" and list(r["backends"]) == list(tiny_backends)
     for name, b in r["backends"].items():
@@ -250,7 +282,8 @@ def test_spot_check_for_the_app(tiny_backends):
 
 def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
     """--rounds: every runtime again after all the others, medians reported, each round on record."""
-    from bench.speed import SpeedOptions, run
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
 
     lines = []
     options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(4,), sweep_sentences=1, warmup=1,
@@ -278,7 +311,8 @@ def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
 
 @pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
 def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, tmp_path):
-    from bench.speed import SpeedOptions, run
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
 
     pairs = default_sample(4)
     options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1)

@@ -17,7 +17,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from app import CSS, Loaded, build_app
-from conftest import CORPUS
+from conftest import DEV_TSV
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIMEOUT_MS = 120_000
@@ -120,7 +120,7 @@ def test_spotcheck_tab_runs_two_sentences_and_downloads_the_report(page, artifac
     page.locator("#spot-run").click()  # nothing given yet
     page.locator("#spot-status").get_by_text("no sentences").wait_for()
 
-    rows = (CORPUS / "dev.tsv").read_text(encoding="utf-8").splitlines()[:3]  # header + 2 sentences
+    rows = DEV_TSV.read_text(encoding="utf-8").splitlines()[:3]  # header + 2 sentences
     page.locator("#spot-text textarea").fill("\n".join(rows))
     page.locator("#spot-run").click()
     page.locator("#spot-status").get_by_text("2 sentences").wait_for(timeout=TIMEOUT_MS)

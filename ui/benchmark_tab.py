@@ -1,16 +1,15 @@
-"""The Benchmark tab: a speed report from bench-results/, and a quick run on the app's own backends.
+"""The Benchmark tab: a speed report in bench-results/, and a quick run on the app's own backends.
 
-Reports are read with `bench.report` (newest first; by default the newest one for the model this
-app serves). A quick run is `bench.speed.quick_run` on the backends the app already loaded, in the
-app's process, saved with `bench.report.write` as the newest report. Running in process means no
-second copy of every model in memory and no minutes of loading; the price, load time and memory
-are not measured, which the report says. The run takes the app's one model-run-at-a-time slot
-(concurrency_id "model"), so no translation overlaps its timings.
+Reports are read with `service.reports` (newest first; by default the newest one for the model
+this app serves). A quick run is `service.quickbench.quick_run` on the backends the app already
+loaded, in the app's process, saved with `service.quickbench.save_quick` as the newest report.
+Running in process means no second copy of every model in memory and no minutes of loading; the
+price, load time and memory are not measured, which the report says. The run takes the app's one
+model-run-at-a-time slot (concurrency_id "model"), so no translation overlaps its timings.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,21 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from bench.data import DEFAULT_TSV, REPO, default_sample
-from bench.report import find_reports, load_report, write
-from bench.speed import NOT_MEASURED, QUICK_RUN_LIMIT, quick_run
+from service.fmt import num, ratio
+from service.quickbench import (
+    FULL_COMMAND,
+    QUICK_RUN_LIMIT,
+    check_count,
+    quick_run,
+    quick_sentences,
+    save_quick,
+)
+from service.reports import find_reports, load_report
+from service.speedrun import NOT_MEASURED
 
 from .machine import load_warning
+from .state import REPO
 
-FULL_COMMAND = "python -m bench speed"
 QUICK_DEFAULT = 10
 QUICK_CAP = 256  # output cap when the app sets none: `python -m bench speed`'s own, so runs compare
 
@@ -76,14 +83,6 @@ def _label(entry: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Rendering one report
-
-
-def _num(x: float | None, digits: int = 1) -> str:
-    return "–" if x is None else f"{x:,.{digits}f}"
-
-
-def _ratio(x: float | None) -> str:
-    return "–" if x is None else f"{x:.2f}×"
 
 
 def header_md(report: dict, export: Path | None, newest_is_other: dict | None = None) -> str:
@@ -140,26 +139,26 @@ def table(results: dict) -> pd.DataFrame:
         lat, c = r["latency"], r.get("comparison", {})
         row: dict[str, Any] = {"runtime": name, "dtype": r["info"].get("precision", "?")}
         if measured["load_s"]:
-            row["load s"] = _num(r.get("load_s"), 2)
+            row["load s"] = num(r.get("load_s"), 2)
         row |= {
-            "batch-1 p50 ms": _num(lat["p50"]),
-            "p90 ms": _num(lat["p90"]),
-            "p99 ms": _num(lat["p99"]),
-            "ms/token": _num(lat["ms_per_token_p50"], 2),
-            f"p50 vs {ref}": _ratio(c.get("latency_p50_ratio")),
+            "batch-1 p50 ms": num(lat["p50"]),
+            "p90 ms": num(lat["p90"]),
+            "p99 ms": num(lat["p99"]),
+            "ms/token": num(lat["ms_per_token_p50"], 2),
+            f"p50 vs {ref}": ratio(c.get("latency_p50_ratio")),
         }
         for b in bs:
-            row[f"batch {b} sent/s"] = _num(r["throughput"].get(b, {}).get("sentences_per_s"), 2)
-        row[f"batch {big} vs {ref}"] = _ratio(c.get(f"throughput_b{big}_ratio"))
+            row[f"batch {b} sent/s"] = num(r["throughput"].get(b, {}).get("sentences_per_s"), 2)
+        row[f"batch {big} vs {ref}"] = ratio(c.get(f"throughput_b{big}_ratio"))
         if measured["peak_rss_mb"]:
-            row["peak RSS MB"] = _num(r.get("peak_rss_mb"), 0)
+            row["peak RSS MB"] = num(r.get("peak_rss_mb"), 0)
         if measured["size_bytes"]:
-            row["size MB"] = _num(r["size_bytes"] / 1e6 if r.get("size_bytes") else None, 1)
+            row["size MB"] = num(r["size_bytes"] / 1e6 if r.get("size_bytes") else None, 1)
         share = c.get("identical_to_reference")
         row[f"identical to {ref}"] = "–" if share is None else f"{share:.0%}"
         if quality:
             q = c.get("quality_vs_references", {})
-            row["BLEU"], row["chrF"] = _num(q.get("bleu")), _num(q.get("chrf"))
+            row["BLEU"], row["chrF"] = num(q.get("bleu")), num(q.get("chrf"))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -247,50 +246,22 @@ def view(loaded, path: str | None = None) -> ReportView:
 # A quick run
 
 
-def check_count(count: Any) -> int:
-    if isinstance(count, float) and count.is_integer():
-        count = int(count)  # number widgets send floats
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= QUICK_RUN_LIMIT:
-        raise ValueError(f"the number of sentences must be a whole number from 1 to {QUICK_RUN_LIMIT}, got {count!r}")
-    return count
-
-
-def quick_sentences(loaded, count: int) -> tuple[list[str], list[str] | None, str]:
-    """The full benchmark's own sample, its first `count` sentences (with references), so a quick
-    run times the very sentences a full run starts with; the app's examples when the corpus is absent."""
-    if DEFAULT_TSV.is_file():
-        pairs = default_sample()[:count]
-        return [p.en for p in pairs], [p.zh for p in pairs], (
-            f"the start of `{FULL_COMMAND}`'s 200-sentence sample of {DEFAULT_TSV.name}")
-    if len(loaded.examples) < count:
-        raise ValueError(f"{DEFAULT_TSV} is absent and the app has {len(loaded.examples)} examples; "
-                         f"choose at most {len(loaded.examples)} sentences")
-    return loaded.examples[:count], None, f"the app's first {count} examples"
-
-
 def run_quick(loaded, count: Any, progress=None) -> tuple[str, ReportView]:
     """Validate, time the loaded backends, save the report as the newest, show it as saved."""
     n = check_count(count)
     if not loaded.backends:
         raise ValueError("no backend is loaded: nothing to benchmark")
-    sentences, references, source = quick_sentences(loaded, n)
+    sentences, references, source = quick_sentences(n, loaded.examples)
     not_run = {name: f"failed to load in the app: {err}" for name, err in loaded.load_errors.items()}
     results = quick_run(loaded.backends, sentences, progress=progress,
                         max_new_tokens=loaded.max_new_tokens or QUICK_CAP, references=references, source=source,
                         not_run=not_run)
-    export = export_of(loaded)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    folder = Path(loaded.results_dir) / f"quick-{export.name if export else 'model'}-{stamp}"
-    k = 1
-    while folder.exists():  # two runs in one second: keep both
-        k += 1
-        folder = folder.with_name(f"{folder.name.rsplit('~', 1)[0]}~{k}")
-    paths = write(results, folder)
+    saved = save_quick(results, loaded.results_dir, export_of(loaded))
     status = (
         f"Done: {len(results['runtimes'])} backends over {n} sentences in {results['wall_s']:.1f} s; saved to "
-        f"`{_shown_path(folder)}` and shown below as the newest report."
+        f"`{_shown_path(saved.parent)}` and shown below as the newest report."
     )
-    return status, view(loaded, str(paths["json"]))
+    return status, view(loaded, str(saved))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The Batch spot-check tab: a list of sentences through every loaded backend, compared with PyTorch.
 
-The input (pasted or uploaded) is read by `ui.inputs`; the work is `bench.quality.spot_check`,
-which translates each sentence at batch 1 with each backend and measures agreement, BLEU/chrF and
-latency. This module only lays out, renders its result and writes it as a downloadable JSON file.
+The input (pasted or uploaded) is read by `service.inputs`; the work is
+`service.spotcheck.spot_check`, which translates each sentence at batch 1 with each backend and
+measures agreement, BLEU/chrF and latency. This module only lays out, renders its result and
+writes it as a downloadable JSON file.
 The run takes the app's one model-run-at-a-time slot (concurrency_id "model").
 """
 
@@ -17,9 +18,10 @@ from typing import Any
 
 import gradio as gr
 
-from bench.quality import SPOT_CHECK_LIMIT, spot_check
+from service import inputs
+from service.fmt import ms, num, signed
+from service.spotcheck import SPOT_CHECK_LIMIT, spot_check
 
-from . import inputs
 from .machine import load_warning
 
 SUMMARY_HEADERS = [
@@ -40,14 +42,6 @@ class SpotCheckView:
     result: dict | None = None
 
 
-def _num(x: float | None, digits: int = 1) -> str:
-    return "–" if x is None else f"{x:,.{digits}f}"
-
-
-def _ms(x: float) -> str:
-    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"  # as the Compare tab shows milliseconds
-
-
 def _steps(histogram: dict) -> str:
     if not histogram:
         return "none"
@@ -63,7 +57,7 @@ def _score(q: dict, key: str) -> str:
     if not q:
         return "–"
     delta = q.get(f"{key}_delta")
-    return f"{q[key]:,.2f}" + ("" if delta is None else f" ({delta:+.2f})")
+    return num(q[key], 2) + ("" if delta is None else f" ({signed(delta)})")
 
 
 def summary_rows(result: dict) -> list[list[Any]]:
@@ -78,8 +72,8 @@ def summary_rows(result: dict) -> list[list[Any]]:
             f"{a['identical']}/{a['n']} ({a['identical_share']:.0%})",
             "– (reference)" if is_ref else _steps(a["first_divergence_histogram"]),
             _score(q, "bleu"), _score(q, "chrf"),
-            "–" if is_ref else _num(qr.get("bleu"), 2), "–" if is_ref else _num(qr.get("chrf"), 2),
-            _ms(lat["p50"]), _ms(lat["p90"]), _ms(lat["p99"]),
+            "–" if is_ref else num(qr.get("bleu"), 2), "–" if is_ref else num(qr.get("chrf"), 2),
+            ms(lat["p50"]), ms(lat["p90"]), ms(lat["p99"]),
             b["hit_max_new_tokens"],
         ])  # fmt: skip
     return rows

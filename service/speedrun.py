@@ -1,0 +1,219 @@
+"""A speed run's options, its work, and what its numbers conclude: shared by both speed runs.
+
+`python -m bench speed` (every runtime alone in its own process) and the app's quick run
+(`quickbench.py`, every loaded backend in the app's process) ask for their work with the same
+`SpeedOptions` and `make_spec`, and write the same results.json layout: `model_info`,
+`sentence_info`, and `add_comparisons`, which adds each runtime's agreement with the reference,
+its ratios to it, BLEU/chrF when meaningful, the migration article's `claims` and the speed
+issue's `targets`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from corpus import Pair
+
+from . import metrics
+from .protocol import Spec
+
+SWEEP_LENGTHS = (8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    threads: int = 2
+    forced_tokens: int | None = None  # min_new_tokens = max_new_tokens = this, for random weights
+    max_new_tokens: int = 256  # cap when not forced, for every runtime alike
+    latency_sentences: int | None = None  # None: every sentence
+    throughput_sentences: int | None = None  # None: every sentence
+    batch_sizes: tuple[int, ...] = (8, 32)
+    sweep_lengths: tuple[int, ...] = SWEEP_LENGTHS
+    sweep_sentences: int = 5
+    sweep_peers: bool = False  # the sweep is about our backends; peers only when asked
+    warmup: int = 3
+    timeout_s: int = 3600  # per runtime subprocess
+    floor: bool = True  # measure read bandwidth after the runs: the batch-1 per-token floor
+    # Every runtime is run this many times, round-robin (all runtimes, then all again), and the
+    # medians are reported. This machine's speed drifts by up to 2x over minutes (a shared host
+    # with a 300 MiB L3), so one slot per runtime can put a whole ratio on a slow minute.
+    rounds: int = 1
+
+    def __post_init__(self):
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        if self.forced_tokens is not None and not 1 <= self.forced_tokens <= 511:
+            raise ValueError(f"forced_tokens must be in 1..511, got {self.forced_tokens}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
+
+
+
+# What no speed run here measures; the report and the app's Benchmark tab say so next to the numbers.
+NOT_MEASURED = (
+    "cold start (the first run after boot, page cache empty), beam search, more than one request at a time, "
+    "GPUs, and the accuracy of a random-weight fixture (meaningless)"
+)
+
+
+def make_spec(sentences: list[str], lengths: list[int], options: SpeedOptions, sweep: bool,
+              ids: list[list[int]] | None = None) -> Spec:
+    n = len(sentences)
+    lat = list(range(min(options.latency_sentences or n, n)))
+    thr = sorted(range(min(options.throughput_sentences or n, n)), key=lambda i: (lengths[i], i))
+    return Spec(
+        sentences=sentences,
+        latency_idx=lat,
+        throughput_idx=thr,
+        batch_sizes=list(options.batch_sizes),
+        max_new_tokens=options.max_new_tokens,
+        forced_tokens=options.forced_tokens,
+        sweep_lengths=list(options.sweep_lengths) if sweep else [],
+        sweep_idx=list(range(min(options.sweep_sentences, n))) if sweep else [],
+        warmup=min(options.warmup, len(lat)),
+        threads=options.threads,
+        source_ids=ids,
+    )
+
+
+def model_info(export_dir: Path, manifest) -> dict:
+    m = manifest.data["model"]
+    return {"export": str(export_dir), "source": manifest.data["source_model"], "parameters": m.get("parameters"),
+            "layers": f"{m['encoder_layers']}+{m['decoder_layers']}", "d_model": m["d_model"], "vocab_size": m["vocab_size"]}
+
+
+def sentence_info(pairs: list[Pair], lengths: list[int], spec: Spec) -> dict:
+    words = [len(p.en.split()) for p in pairs]
+    return {
+        "count": len(pairs),
+        "latency_sentences": len(spec.latency_idx),
+        "throughput_sentences": len(spec.throughput_idx),
+        "sweep_sentences": len(spec.sweep_idx),
+        "words_min_median_max": [min(words), float(np.median(words)), max(words)],
+        "source_tokens_min_median_max": [min(lengths), float(np.median(lengths)), max(lengths)],
+        "has_references": all(p.zh for p in pairs),
+    }
+
+
+def add_comparisons(results: dict, references: list[str | None]) -> None:
+    """Agreement with the reference runtime, ratios to it, and BLEU/chrF when quality is meaningful."""
+    runtimes = results["runtimes"]
+    ref_name = results["reference"] if results["reference"] in runtimes else next(iter(runtimes), None)
+    results["reference"] = ref_name
+    if ref_name is None:
+        return
+    ref = runtimes[ref_name]
+    ref_ids = [o["ids"] for o in ref["outputs"]]
+    forced = results["options"].get("forced_tokens")
+    n = len(ref_ids)
+    refs = references[:n]
+    for name, r in runtimes.items():
+        cmp = {}
+        ids = [o["ids"] for o in r["outputs"]]
+        a = metrics.agreement(ids, ref_ids)
+        cmp["identical_to_reference"] = a["identical_share"]
+        cmp["first_divergence_buckets"] = a["first_divergence_buckets"]
+        cmp["latency_p50_ratio"] = r["latency"]["p50"] / ref["latency"]["p50"]
+        cmp["ms_per_token_ratio"] = r["latency"]["ms_per_token_p50"] / ref["latency"]["ms_per_token_p50"]
+        for b, t in r["throughput"].items():
+            if b in ref["throughput"]:
+                cmp[f"throughput_b{b}_ratio"] = t["sentences_per_s"] / ref["throughput"][b]["sentences_per_s"]
+        if not forced and refs and all(refs):
+            cmp["quality_vs_references"] = metrics.bleu_chrf([o["text"] for o in r["outputs"]], refs)
+        r["comparison"] = cmp
+    results["claims"] = claims(results)
+    results["targets"] = targets(results)
+
+
+# The migration article's claims, checked on every run. A speed claim holds when the measured
+# speedup reaches at least 90% of the claimed one; "identical" holds only at 100% identical tokens.
+CLAIMS = (
+    ("ONNX Runtime fp32 about 40% faster than PyTorch", "ort_fp32_kv_cache", "pytorch", 1.4),
+    ("fp16 another 30% faster than ONNX fp32", "ort_fp16", "ort_fp32_kv_cache", 1.3),
+    ("KV cache about 2x faster than single-step", "ort_fp32_kv_cache", "ort_fp32_single_step", 2.0),
+)
+TOLERANCE = 0.9
+
+
+def claims(results: dict) -> list[dict]:
+    """Each claim with the measured ratio at batch 1 (p50), at the largest batch, and a verdict."""
+    rt = results["runtimes"]
+    big = str(results["options"]["batch_sizes"][-1])
+    out = []
+    for text, fast, slow, claimed in CLAIMS:
+        if fast not in rt or slow not in rt:
+            out.append({"claim": text, "held": None, "measured": f"not measured ({fast} or {slow} did not run)"})
+            continue
+        b1 = rt[slow]["latency"]["p50"] / rt[fast]["latency"]["p50"]
+        thr_fast, thr_slow = rt[fast]["throughput"].get(big), rt[slow]["throughput"].get(big)
+        bb = thr_fast["sentences_per_s"] / thr_slow["sentences_per_s"] if thr_fast and thr_slow else None
+        held = b1 >= claimed * TOLERANCE
+        measured = f"{b1:.2f}x at batch 1 (p50)" + (f", {bb:.2f}x at batch {big}" if bb else "")
+        entry = {"claim": text, "claimed_speedup": claimed, "speedup_batch1_p50": b1, f"speedup_batch{big}": bb,
+                 "held": held, "measured": measured}
+        if fast == "ort_fp32_kv_cache" and slow == "ort_fp32_single_step":
+            sweep = {n: rt[slow]["sweep"][n]["ms_per_sentence"] / rt[fast]["sweep"][n]["ms_per_sentence"]
+                     for n in rt[fast].get("sweep", {}) if n in rt[slow].get("sweep", {})}
+            if sweep:
+                entry["speedup_by_forced_length"] = sweep
+                entry["measured"] += "; by forced length: " + ", ".join(f"{n}: {v:.2f}x" for n, v in sweep.items())
+        out.append(entry)
+    ref = results.get("reference")
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16", "ort_int8"):
+        if name in rt and ref in rt and name != ref:
+            share = rt[name]["comparison"]["identical_to_reference"]
+            out.append({"claim": f"translations identical ({name} vs {ref})", "identical_share": share,
+                        "held": share == 1.0, "measured": f"{share:.1%} of {len(rt[name]['outputs'])} sentences identical"})
+    return out
+
+
+# The speed issue's targets (fp32 KV cache and int8 against PyTorch, CTranslate2 and Optimum), checked
+# on every run where the runtimes they name took part. Batch 1 compares p50 latency.
+def targets(results: dict) -> list[dict]:
+    rt, big = results["runtimes"], str(results["options"]["batch_sizes"][-1])
+    floor = results["environment"].get("floor", {}).get("graphs", {})
+
+    def p50(name):
+        return rt[name]["latency"]["p50"] if name in rt else None
+
+    def thr(name):
+        t = rt.get(name, {}).get("throughput", {}).get(big)
+        return t["sentences_per_s"] if t else None
+
+    out = []
+
+    def check(text, value, limit, higher_is_better, fmt):
+        if value is None or limit is None:
+            out.append({"target": text, "held": None, "measured": "not measured (a runtime it needs did not run)"})
+            return
+        held = value >= limit if higher_is_better else value <= limit
+        out.append({"target": text, "value": value, "limit": limit, "held": held, "measured": fmt(value, limit)})
+
+    kv, i8 = "ort_fp32_kv_cache", "ort_int8"
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    check("ORT fp32 KV cache, batch 1: at most 0.45x PyTorch's latency", ratio(p50(kv), p50("pytorch")), 0.45, False,
+          lambda v, _: f"{v:.2f}x PyTorch's p50")
+    check("ORT fp32 KV cache, batch 1: no slower than CTranslate2 float32", ratio(p50(kv), p50("ct2_float32")), 1.0,
+          False, lambda v, _: f"{v:.2f}x CTranslate2 float32's p50")
+    for name, graph in ((kv, "decoder"), (i8, "decoder_int8")):
+        per_token = rt.get(name, {}).get("latency", {}).get("ms_per_token_p50")
+        f = floor.get(graph, {}).get("floor_ms_per_token")
+        check(f"{name}, batch 1: ms per token within 1.3x of the memory-bandwidth floor", ratio(per_token, f), 1.3,
+              False, lambda v, _, f=f, t=per_token: f"{t:.2f} ms/token = {v:.2f}x the {f:.2f} ms floor")
+    check(f"ORT fp32 KV cache, batch {big}: at least 1.5x PyTorch's throughput", ratio(thr(kv), thr("pytorch")), 1.5,
+          True, lambda v, _: f"{v:.2f}x PyTorch's sentences/s")
+    check(f"ORT fp32 KV cache, batch {big}: above Optimum fp32's throughput", ratio(thr(kv), thr("optimum_fp32")), 1.0,
+          True, lambda v, _: f"{v:.2f}x Optimum fp32's sentences/s")
+    check("KV cache at least 2x faster than single-step (batch 1, this run's output length)",
+          ratio(p50("ort_fp32_single_step"), p50(kv)), 2.0, True, lambda v, _: f"{v:.2f}x")
+    check("ort_int8, batch 1: no slower than CTranslate2 int8", ratio(p50(i8), p50("ct2_int8")), 1.0, False,
+          lambda v, _: f"{v:.2f}x CTranslate2 int8's p50")
+    check(f"ort_int8, batch {big}: at least 0.8x CTranslate2 int8's throughput", ratio(thr(i8), thr("ct2_int8")), 0.8,
+          True, lambda v, _: f"{v:.2f}x CTranslate2 int8's sentences/s")
+    return out
+
