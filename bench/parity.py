@@ -1,27 +1,18 @@
 """python -m bench.parity EXPORT_DIR: greedy ids of every backend against PyTorch on dev sentences.
 
 The export's own verification runs 16 sentences; this is the larger check a user runs before
-shipping: by default the first 100 English sentences of ../shared/corpus/dev.tsv.
+shipping: by default the first 100 English sentences of data/dev.tsv.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from backends import APPROXIMATE, BACKEND_NAMES, REFERENCE, SessionConfig, load_backends
-
-DEFAULT_DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus" / "dev.tsv"
-
-
-def read_english(path: Path, count: int) -> list[str]:
-    with path.open(encoding="utf-8") as f:
-        header = f.readline().rstrip("\n").split("\t")
-        column = header.index("en")
-        rows = [line.rstrip("\n").split("\t")[column] for line in f]
-    return rows[:count]
+from backends.divergence import parity_report
+from corpus import DEV_TSV, read_pairs
 
 
 def run(
@@ -31,37 +22,25 @@ def run(
     batch_size: int,
     threads: int | None,
     names: tuple[str, ...] = BACKEND_NAMES,
+    **decode,
 ) -> dict:
+    """The report of `backends.divergence.parity_report` (the export's own greedy check, at a larger
+    size); `decode` options go to `Backend.translate` with `max_new_tokens`."""
     if REFERENCE not in names:
         names = (REFERENCE, *names)
     backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads))
-    outputs, seconds = {}, {}
-    for name, backend in backends.items():
-        start = time.perf_counter()
-        outputs[name] = []
-        for i in range(0, len(sentences), batch_size):
-            outputs[name] += backend.translate(sentences[i : i + batch_size], max_new_tokens=max_new_tokens)
-        seconds[name] = round(time.perf_counter() - start, 1)
-    ref = outputs[REFERENCE]
-    report = {"export": str(export_dir), "sentences": len(sentences), "max_new_tokens": max_new_tokens, "backends": {}}
-    for name, outs in outputs.items():
-        if name == REFERENCE:
-            continue
-        mismatched = [i for i, (o, r) in enumerate(zip(outs, ref)) if o.token_ids != r.token_ids]
-        report["backends"][name] = {
-            "identical_ids": len(sentences) - len(mismatched),
-            "identical_text": sum(o.text == r.text for o, r in zip(outs, ref)),
-            "mismatched_sentences": [sentences[i] for i in mismatched],
-            "seconds": seconds[name],
-        }
-    report["reference_seconds"] = seconds[REFERENCE]
-    return report
+    try:
+        report = parity_report(backends, sentences, REFERENCE, batch_size, max_new_tokens=max_new_tokens, **decode)
+    finally:
+        for backend in backends.values():
+            backend.close()
+    return {"export": str(export_dir), **report}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("export_dir", type=Path)
-    parser.add_argument("--tsv", type=Path, default=DEFAULT_DEV, help="TSV with an `en` column")
+    parser.add_argument("--tsv", type=Path, default=DEV_TSV, help="TSV with an `en` column")
     parser.add_argument("--sentences", type=int, default=100)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=10)
@@ -70,7 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
     names = tuple(n for n in args.backends.split(",") if n)
-    sentences = read_english(args.tsv, args.sentences)
+    sentences = [p.en for p in read_pairs(args.tsv, limit=args.sentences)]
     report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names)
     for name, r in report["backends"].items():
         print(

@@ -31,7 +31,7 @@ class ExportOptions:
     force: bool = False
     opset: int = graphs.DEFAULT_OPSET
     verify: bool = True
-    corpus: Path | None = None
+    sentences: Path | None = None  # verification sentences (TSV or text); None: data/dev.tsv
     # Verification cost stays small on purpose: 16 sentences x 48 tokens through four backends.
     verify_sentences: int = 16
     verify_max_new_tokens: int = 48
@@ -231,15 +231,14 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         manifest["verification"] = None
         write_manifest()
         if options.verify:
-            sentences = verify.read_dev_sentences(options.corpus, 64)
-            greedy_sentences = verify.read_dev_sentences(options.corpus, options.verify_sentences)
+            sentences = verify.read_dev_sentences(options.sentences, 64)
+            greedy_sentences = verify.read_dev_sentences(options.sentences, options.verify_sentences)
             result = steps.run(
                 "verify against PyTorch (logits, greedy ids, text)",
                 verify.run,
                 model,
                 tokenizer,
                 tmp,
-                graph_entries,
                 sentences,
                 greedy_sentences,
                 options.verify_max_new_tokens,

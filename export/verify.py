@@ -3,7 +3,11 @@
 Three levels, as in minGPT's HF import test: logits (max |Δ| per graph, on several source
 lengths, one >= 400 tokens, and a padded batch mixing short and long rows, padding masked before
 comparing), then greedy token ids through the real backends, then decoded text. fp32 graphs must
-pass; fp16 numbers are reported, not required. Failures are collected and reported together.
+pass; fp16 and int8 numbers are reported, not required. Failures are collected and reported together.
+
+Nothing here runs a graph by hand: logits come from the backends' own step models (`encode`, then
+one `step` per decoder position, as the decoding loop calls them), greedy ids from
+`Backend.translate` (the one loop) through `backends.divergence.parity_report`.
 """
 
 from __future__ import annotations
@@ -15,34 +19,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends import APPROXIMATE
+from backends import APPROXIMATE, REFERENCE
+from backends.base import StepModel
+from corpus import DEV_TSV, read_sentences
 
 FP32_LOGITS_TOLERANCE = 1e-4
 APPROXIMATE_SUFFIXES = ("_fp16", "_int8")  # reported, not required to match
-FALLBACK_SENTENCES = [
-    "Click OK to save the document.",
-    "My father works in a factory.",
-    "Select the cells that you want to format, and then choose Format - Cells.",
-    "The file could not be opened because it is already in use by another program.",
-    "I would like to learn Chinese next year.",
-    "Press the Delete key to remove the selected object.",
-    "Where is the nearest train station?",
-    "This option specifies the number of decimal places shown for each value.",
-]
 
 
-def read_dev_sentences(corpus: Path | None, count: int) -> list[str]:
-    path = corpus / "dev.tsv" if corpus else None
-    if path is None or not path.is_file():
-        return (FALLBACK_SENTENCES * (count // len(FALLBACK_SENTENCES) + 1))[:count]
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        next(f)
-        for line in f:
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) == 3:
-                rows.append(fields[1])
-    return rows[:count]
+def read_dev_sentences(path: Path | None, count: int) -> list[str]:
+    """The first `count` English sentences of `path` (default data/dev.tsv), cycled if it has fewer."""
+    sentences = [p.en for p in read_sentences(path or DEV_TSV)]
+    return (sentences * (count // len(sentences) + 1))[:count]
 
 
 @dataclass
@@ -101,22 +89,22 @@ def _torch_reference(model, case: Case) -> tuple[np.ndarray, np.ndarray]:
     return out.logits.numpy(), out.encoder_last_hidden_state.numpy()
 
 
-def _kv_logits(encoder, decoder, case: Case) -> tuple[np.ndarray, np.ndarray]:
-    enc_out = encoder.run(None, {"input_ids": case.input_ids, "attention_mask": case.attention_mask})
-    hidden, cross = enc_out[0], enc_out[1:]
-    cross_names = [o.name for o in encoder.get_outputs()][1:]
-    past_inputs = [i for i in decoder.get_inputs() if i.name.startswith("past.")]
-    b = case.input_ids.shape[0]
-    heads, head_dim = cross[0].shape[1], cross[0].shape[3]
-    past = [np.zeros((b, heads, 0, head_dim), np.float32) for _ in past_inputs]
-    steps = []
-    for t in range(case.decoder_ids.shape[1]):
-        feeds = {"input_ids": case.decoder_ids[:, t : t + 1], "encoder_attention_mask": case.attention_mask}
-        feeds.update(zip(cross_names, cross))
-        feeds.update(zip((i.name for i in past_inputs), past))
-        logits, *past = decoder.run(None, feeds)
-        steps.append(logits[:, 0, :])
-    return np.stack(steps, axis=1), hidden  # (b, t, V), (b, s, D)
+def _encoder_hidden(step_model, case: Case) -> np.ndarray:
+    """The encoder graph's hidden states (b, s, D): its first output, which decoding never fetches."""
+    feeds = {"input_ids": case.input_ids, "attention_mask": case.attention_mask}
+    (hidden,) = step_model.encoder.run(["encoder_hidden_states"], feeds)
+    return hidden
+
+
+def _stepped_logits(step_model: StepModel, case: Case) -> np.ndarray:
+    """Teacher-forced logits (b, t, V): `encode` once, then one `step` per prefix of the decoder ids."""
+    state = step_model.encode(case.input_ids, case.attention_mask)
+    logits = []
+    for t in range(1, case.decoder_ids.shape[1] + 1):
+        prefix = np.ascontiguousarray(case.decoder_ids[:, :t])  # (b, t), as the loop feeds it
+        # A copy: `step` may return a view of the engine's buffer, which the next step reuses.
+        logits.append(np.array(step_model.step(state, prefix)))  # (b, V)
+    return np.stack(logits, axis=1)
 
 
 def _masked_max_abs(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None) -> float:
@@ -126,12 +114,23 @@ def _masked_max_abs(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None
     return float(diff.max())
 
 
-def logits_parity(model, tokenizer, export_dir: Path, manifest_graphs: dict, sentences, threads) -> dict:
-    from backends.ort_session import SessionConfig, create_session
+def _step_models(export_dir: Path, threads) -> dict:
+    """The engines of the fp32 single-step, fp32 KV-cache, fp16 and int8 backends, by graph family."""
+    from backends import SessionConfig, load_manifest
+    from backends.ort_kv_cache import KVCacheStepModel
+    from backends.ort_single_step import FullGraphStepModel
 
-    config = model.config
+    manifest = load_manifest(export_dir)
     session = SessionConfig(threads=threads, provider="cpu")
-    sessions = {name: create_session(export_dir / g["file"], session) for name, g in manifest_graphs.items()}
+    models = {"full": FullGraphStepModel(manifest, session)}
+    for suffix in ("", *APPROXIMATE_SUFFIXES):
+        models["kv_cache" + suffix] = KVCacheStepModel(manifest, session, "encoder" + suffix, "decoder" + suffix)
+    return models
+
+
+def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dict:
+    config = model.config
+    step_models = _step_models(export_dir, threads)
     cases = build_cases(tokenizer, sentences, config)
     results = []
     for case in cases:
@@ -145,54 +144,31 @@ def logits_parity(model, tokenizer, export_dir: Path, manifest_graphs: dict, sen
             "max_abs_encoder_hidden_diff": {},
             "argmax_agreement": {},
         }
-        (full,) = sessions["full"].run(
-            ["logits"],
-            {"input_ids": case.input_ids, "attention_mask": case.attention_mask, "decoder_input_ids": case.decoder_ids},
-        )
-        candidates = {"full": (full, None)}
-        for suffix in ("", *APPROXIMATE_SUFFIXES):
-            logits, hidden = _kv_logits(sessions["encoder" + suffix], sessions["decoder" + suffix], case)
-            candidates["kv_cache" + suffix] = (logits, hidden)
-        for name, (logits, hidden) in candidates.items():
+        for name, step_model in step_models.items():
+            logits = _stepped_logits(step_model, case)
             entry["max_abs_logit_diff"][name] = _masked_max_abs(logits, ref_logits)
             entry["argmax_agreement"][name] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
-            if hidden is not None:
+            if name != "full":  # the full graph has no encoder of its own
+                hidden = _encoder_hidden(step_model, case)
                 entry["max_abs_encoder_hidden_diff"][name] = _masked_max_abs(hidden, ref_hidden, case.attention_mask)
         results.append(entry)
     return {"cases": results}
 
 
-def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads) -> dict:
-    """Greedy ids and text through the real backends, the reference being the PyTorch one."""
+def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads, **decode) -> dict:
+    """Ids and text through the real backends (one batch), the reference being the PyTorch one.
+
+    `decode`: further options for `Backend.translate`; none given, the export's defaults apply.
+    """
     from backends import SessionConfig, load_backends
+    from backends.divergence import parity_report
 
     backends = load_backends(export_dir, session=SessionConfig(threads=threads, provider="cpu"))
-    outputs = {name: b.translate(sentences, max_new_tokens=max_new_tokens) for name, b in backends.items()}
-    ref = outputs.pop("pytorch")
-    report = {"sentences": len(sentences), "max_new_tokens": max_new_tokens, "backends": {}}
-    for name, outs in outputs.items():
-        same_ids = [o.token_ids == r.token_ids for o, r in zip(outs, ref)]
-        same_text = [o.text == r.text for o, r in zip(outs, ref)]
-        tokens = sum(len(r.token_ids) for r in ref)
-        agreeing = sum(
-            sum(a == b for a, b in zip(o.token_ids, r.token_ids)) for o, r in zip(outs, ref)
-        )
-        report["backends"][name] = {
-            "identical_ids": sum(same_ids),
-            "identical_text": sum(same_text),
-            "token_agreement": agreeing / max(tokens, 1),
-            "first_mismatch": next(
-                (
-                    {"sentence": sentences[i], "reference": ref[i].token_ids, "backend": outs[i].token_ids}
-                    for i, ok in enumerate(same_ids)
-                    if not ok
-                ),
-                None,
-            ),
-        }
-    for b in backends.values():
-        b.close()
-    return report
+    try:
+        return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
+    finally:
+        for b in backends.values():
+            b.close()
 
 
 def judge(logits: dict, greedy: dict | None) -> list[str]:
@@ -212,9 +188,10 @@ def judge(logits: dict, greedy: dict | None) -> list[str]:
     return failures
 
 
-def run(model, tokenizer, export_dir: Path, graphs: dict, sentences, greedy_sentences, max_new_tokens, threads):
+def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new_tokens, threads):
+    """Verify the export in `export_dir` (its provisional sidecar names the graphs) against `model`."""
     start = time.perf_counter()
-    logits = logits_parity(model, tokenizer, export_dir, graphs, sentences, threads)
+    logits = logits_parity(model, tokenizer, export_dir, sentences, threads)
     logits_s = time.perf_counter() - start
     greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads)
     failures = judge(logits, greedy)

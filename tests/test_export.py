@@ -226,3 +226,66 @@ def test_judge_reports_every_fp32_failure_with_numbers():
     assert "kv_cache, padded batch: max |Δlogit| 0.002" in failures[1]
     assert failures[2].startswith("ort_fp32_kv_cache: greedy ids identical on 3/4")
     assert verify.judge({"cases": [{"case": "c", "max_abs_logit_diff": {"full": np.float32(1e-5)}}]}, None) == []
+
+
+def _translation(ids: list[int], text: str):
+    from backends import Translation
+
+    return Translation(text=text, token_ids=ids, tokens=[], timings_ms={}, scores=[], stop_reason="eos")
+
+
+def test_token_parity_counts_ids_text_and_positional_agreement():
+    from backends.divergence import token_parity
+
+    sentences = ["a", "b", "c"]
+    reference = [_translation([5, 6, 0], "x"), _translation([7, 0], "y"), _translation([8, 9, 10, 0], "z")]
+    outputs = [_translation([5, 6, 0], "x"), _translation([7, 3, 0], "y"), _translation([8, 4, 10, 0], "w")]
+    report = token_parity(sentences, reference, outputs)
+    assert report["identical_ids"] == 1 and report["identical_text"] == 2
+    assert report["token_agreement"] == 7 / 9  # position by position over the reference's 9 tokens
+    assert report["first_mismatch"] == {"sentence": "b", "reference": [7, 0], "backend": [7, 3, 0]}
+    assert report["mismatched_sentences"] == ["b", "c"]
+    with pytest.raises(ValueError, match="3 sentences, 3 reference and 2 backend outputs"):
+        token_parity(sentences, reference, outputs[:2])
+
+
+def test_parity_report_runs_every_backend_in_batches_with_the_decode_options():
+    from backends.divergence import parity_report
+
+    class Fake:
+        def __init__(self, shift):
+            self.shift, self.calls = shift, []
+
+        def translate(self, texts, **decode):
+            self.calls.append((len(texts), decode))
+            return [_translation([len(t) + self.shift, 0], t) for t in texts]
+
+    backends = {"ref": Fake(0), "same": Fake(0), "off": Fake(1)}
+    report = parity_report(backends, ["a", "bb", "ccc", "dddd", "e"], "ref", 2, max_new_tokens=7, top_k=3)
+    for fake in backends.values():
+        assert fake.calls == [(2, {"max_new_tokens": 7, "top_k": 3})] * 2 + [(1, {"max_new_tokens": 7, "top_k": 3})]
+    assert (report["sentences"], report["batch_size"], report["max_new_tokens"], report["top_k"]) == (5, 2, 7, 3)
+    assert set(report["backends"]) == {"same", "off"}
+    assert report["backends"]["same"]["identical_ids"] == 5
+    assert report["backends"]["off"]["identical_ids"] == 0 and report["backends"]["off"]["token_agreement"] == 0.5
+    assert parity_report(backends, ["a", "bb"], "ref")["batch_size"] == 2  # None: one batch
+    with pytest.raises(ValueError, match="reference backend 'pytorch' is not loaded; loaded: ref, same, off"):
+        parity_report(backends, ["a"], "pytorch")
+
+
+def test_export_verification_and_bench_parity_report_the_same_comparison(tiny_export_dir):
+    from bench import parity
+    from conftest import dev_sentences
+
+    sentences = dev_sentences(4)
+    exported = verify.greedy_parity(tiny_export_dir, sentences, 12, threads=2)
+    bench = parity.run(tiny_export_dir, sentences, 12, batch_size=4, threads=2)
+    assert bench["export"] == str(tiny_export_dir)
+    for report in (exported, bench):
+        for entry in report["backends"].values():
+            entry.pop("seconds")
+    assert {k: v for k, v in bench.items() if k not in ("export", "reference_seconds")} == {
+        k: v for k, v in exported.items() if k != "reference_seconds"
+    }
+    assert exported["backends"]["ort_fp32_kv_cache"]["identical_ids"] == 4
+
