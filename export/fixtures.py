@@ -4,6 +4,7 @@
 exactly opus-mt-en-zh's configuration and a working MarianTokenizer with 65001 ids: the same compute
 per decode step as the real model, so it is the speed and memory fixture at real scale.
 `tiny` writes a two-layer model small enough to export in seconds, for the test suite.
+The tokenizer is written by training's own writer (train/tokenizer.py): same recipe, same checks.
 """
 
 from __future__ import annotations
@@ -20,24 +21,24 @@ from pathlib import Path
 
 from corpus import REFERENCE_CONFIG, TRAIN_TSV, read_pairs as read_corpus
 
-EOS, UNK, PAD = "</s>", "<unk>", "<pad>"
-
 
 @dataclass(frozen=True)
 class FixtureSpec:
-    # Sentencepiece vocabulary sizes, trained on a corpus sample; the joint vocab.json is then
-    # padded with unused entries up to `vocab_size` so the embedding has the intended shape.
+    # Sentencepiece vocabulary sizes (<unk> and </s> included), trained on a corpus sample; the
+    # joint vocab.json is then padded with unused entries up to `vocab_size` so the embedding has
+    # the intended shape.
     source_spm_size: int
     target_spm_size: int
-    vocab_size: int | None  # None: exactly the spm pieces plus specials
+    vocab_size: int
     sample_pairs: int
     # Chinese has thousands of characters; a small target vocabulary must leave rare ones to <unk>.
     target_coverage: float = 0.9995
 
 
 FIXTURES = {
+    # 1302 ids, the size it had before it used training's recipe (whose pieces fill 1299 of them).
     "tiny": FixtureSpec(
-        source_spm_size=400, target_spm_size=1000, vocab_size=None, sample_pairs=4000, target_coverage=0.98
+        source_spm_size=400, target_spm_size=1000, vocab_size=1302, sample_pairs=4000, target_coverage=0.98
     ),
     "opus-mt-random": FixtureSpec(
         source_spm_size=4000, target_spm_size=4000, vocab_size=65001, sample_pairs=30000
@@ -52,77 +53,23 @@ def read_pairs(path: Path, limit: int, seed: int = 0) -> list[tuple[str, str]]:
     return pairs[:limit]
 
 
-def _train_spm(lines: list[str], model_path: Path, vocab_size: int, character_coverage: float) -> None:
-    import sentencepiece as spm
-
-    spm.set_random_generator_seed(0)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as f:
-        f.write("\n".join(lines))
-        text_path = f.name
-    try:
-        spm.SentencePieceTrainer.train(
-            input=text_path,
-            model_prefix=str(model_path.with_suffix("")),
-            vocab_size=vocab_size,
-            model_type="unigram",
-            character_coverage=character_coverage,
-            # Marian's vocab.json owns the special ids; spm only needs its own unk.
-            bos_id=-1,
-            eos_id=-1,
-            pad_id=-1,
-            unk_id=0,
-            hard_vocab_limit=False,
-            num_threads=2,
-            minloglevel=2,
-        )
-    finally:
-        Path(text_path).unlink()
-    model_path.with_suffix(".model").rename(model_path)
-    model_path.with_suffix(".vocab").unlink()
-
-
 def write_tokenizer(out: Path, pairs: list[tuple[str, str]], spec: FixtureSpec) -> int:
     """Write source.spm, target.spm, vocab.json and tokenizer_config.json; return the vocab size.
 
-    Follows opus-mt-en-zh: `</s>` = 0, `<unk>` = 1, pieces of both languages in one joint vocab,
-    `<pad>` as the last id (also the decoder start token).
+    Training's recipe and writer (train/tokenizer.py), so a fixture follows the conventions the
+    shipped model does and passes the same `check_tokenizer` on a sample of its targets.
     """
-    import sentencepiece as spm
+    from train.tokenizer import train_spm, write_tokenizer as write_marian_tokenizer
 
-    _train_spm([en for en, _ in pairs], out / "source.spm", spec.source_spm_size, 1.0)
-    _train_spm([zh for _, zh in pairs], out / "target.spm", spec.target_spm_size, spec.target_coverage)
-
-    vocab: dict[str, int] = {EOS: 0, UNK: 1}
-    for name in ("source.spm", "target.spm"):
-        sp = spm.SentencePieceProcessor(model_file=str(out / name))
-        for i in range(sp.get_piece_size()):
-            piece = sp.id_to_piece(i)
-            if piece not in vocab and piece not in (PAD, "<s>"):
-                vocab[piece] = len(vocab)
-    if spec.vocab_size is not None:
-        if len(vocab) + 1 > spec.vocab_size:
-            raise ValueError(f"{len(vocab) + 1} pieces do not fit a vocabulary of {spec.vocab_size}")
-        while len(vocab) < spec.vocab_size - 1:
-            vocab[f"<unused_{len(vocab)}>"] = len(vocab)
-    vocab[PAD] = len(vocab)
-    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "MarianTokenizer",
-                "source_lang": "en",
-                "target_lang": "zh",
-                "eos_token": EOS,
-                "unk_token": UNK,
-                "pad_token": PAD,
-                "model_max_length": 512,
-                "separate_vocabs": False,
-            },
-            indent=1,
-        ),
-        encoding="utf-8",
-    )
-    return len(vocab)
+    with tempfile.TemporaryDirectory(prefix="spm-") as spm_dir:
+        source = train_spm([en for en, _ in pairs], Path(spm_dir) / "source", spec.source_spm_size, 1.0)
+        # identity normalisation, as training: Chinese text comes back with its full-width punctuation.
+        target = train_spm(
+            [zh for _, zh in pairs], Path(spm_dir) / "target", spec.target_spm_size, spec.target_coverage, "identity"
+        )
+        samples = [zh for _, zh in pairs[:: max(1, len(pairs) // 200)]]
+        tokenizer = write_marian_tokenizer(out, source, target, samples, spec.vocab_size)
+    return len(tokenizer.get_vocab())
 
 
 def tiny_config(vocab_size: int) -> dict:
@@ -162,7 +109,7 @@ def tiny_config(vocab_size: int) -> dict:
 def build(name: str, out: Path, corpus: Path = TRAIN_TSV, seed: int = 0, force: bool = False) -> Path:
     """Build fixture `name` into `out` (written to a temporary folder, then renamed)."""
     import torch
-    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+    from transformers import MarianConfig, MarianMTModel
 
     if name not in FIXTURES:
         raise ValueError(f"unknown fixture {name!r}; expected one of: {', '.join(FIXTURES)}")
@@ -187,8 +134,6 @@ def build(name: str, out: Path, corpus: Path = TRAIN_TSV, seed: int = 0, force: 
         torch.manual_seed(seed)
         model = MarianMTModel(config).eval()
         model.save_pretrained(tmp, safe_serialization=True)
-        # Fail here, not in a test far away, if transformers cannot read what we wrote.
-        MarianTokenizer.from_pretrained(tmp)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

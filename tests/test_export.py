@@ -289,3 +289,28 @@ def test_export_verification_and_bench_parity_report_the_same_comparison(tiny_ex
     }
     assert exported["backends"]["ort_fp32_kv_cache"]["identical_ids"] == 4
 
+
+def test_fixture_tokenizer_comes_from_the_training_writer(tiny_model_dir):
+    import sentencepiece as spm
+    from transformers import MarianTokenizer
+
+    from conftest import EMBEDDED_MODEL
+    from corpus import dev_pairs
+    from export.fixtures import FIXTURES
+    from train.tokenizer import build_vocab, check_tokenizer
+
+    vocab = json.loads((tiny_model_dir / "vocab.json").read_text(encoding="utf-8"))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert len(vocab) == config["vocab_size"] == FIXTURES["tiny"].vocab_size == 1302
+    assert (vocab["</s>"], vocab["<unk>"], vocab["<pad>"]) == (0, 1, 1301)
+    assert [k for k in vocab if k.startswith("<unused_")] == ["<unused_1298>", "<unused_1299>", "<unused_1300>"]
+    # The spm conventions of the shipped model: <unk> = 0 and </s> = 1 in both spm models.
+    for name in ("source.spm", "target.spm"):
+        for folder in (tiny_model_dir, EMBEDDED_MODEL):
+            sp = spm.SentencePieceProcessor(model_file=str(folder / name))
+            assert (sp.unk_id(), sp.eos_id(), sp.id_to_piece(1)) == (0, 1, "</s>"), folder / name
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "MarianTokenizer" and config["added_tokens_decoder"]["1301"]["content"] == "<pad>"
+    check_tokenizer(MarianTokenizer.from_pretrained(str(tiny_model_dir)), [p.zh for p in dev_pairs(50)])
+    with pytest.raises(ValueError, match="1299 pieces do not fit a vocabulary of 1000"):
+        build_vocab(tiny_model_dir / "source.spm", tiny_model_dir / "target.spm", 1000)

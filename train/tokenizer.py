@@ -1,11 +1,22 @@
-"""SentencePiece training and the MarianTokenizer files (source.spm, target.spm, vocab.json)."""
+"""SentencePiece training and the MarianTokenizer files (source.spm, target.spm, vocab.json,
+tokenizer_config.json): the one writer, used by training (`python -m train`) and by the test and
+benchmark fixtures (`python -m export.fixtures`).
+
+Conventions (opus-mt-en-zh's, and what the backends and `check_tokenizer` rely on): `</s>` = 0,
+`<unk>` = 1, the pieces of both languages in one joint vocab.json, `<pad>` as the last id (also the
+decoder start token). The spm models carry `<unk>` and `</s>` as their own ids 0 and 1.
+"""
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sentencepiece as spm
+
+if TYPE_CHECKING:
+    from transformers import MarianTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +55,12 @@ def train_spm(lines: list[str], prefix: Path, vocab_size: int, character_coverag
     return prefix.with_suffix(".model")
 
 
-def build_vocab(source_model: Path, target_model: Path) -> dict[str, int]:
-    """opus-mt layout: </s>=0, <unk>=1, source pieces, unseen target pieces, <pad> last."""
+def build_vocab(source_model: Path, target_model: Path, size: int | None = None) -> dict[str, int]:
+    """opus-mt layout: </s>=0, <unk>=1, source pieces, unseen target pieces, <pad> last.
+
+    `size`: pad with unused `<unused_N>` entries up to exactly this many ids (a model whose
+    embedding must have a given shape, e.g. opus-mt-en-zh's 65001); None: no padding.
+    """
     vocab = {EOS: 0, UNK: 1}
     for path in (source_model, target_model):
         sp = spm.SentencePieceProcessor(model_file=str(path))
@@ -54,16 +69,24 @@ def build_vocab(source_model: Path, target_model: Path) -> dict[str, int]:
             if piece in (EOS, UNK) or sp.is_control(i):
                 continue
             vocab.setdefault(piece, len(vocab))
+    if size is not None:
+        if len(vocab) + 1 > size:
+            raise ValueError(f"{len(vocab) + 1} pieces do not fit a vocabulary of {size}")
+        while len(vocab) < size - 1:
+            vocab[f"<unused_{len(vocab)}>"] = len(vocab)
     vocab[PAD] = len(vocab)
     return vocab
 
 
-def write_tokenizer(folder: Path, source_model: Path, target_model: Path, zh_samples: list[str]) -> "MarianTokenizer":
-    """Write the four MarianTokenizer files into `folder` and return the loaded tokenizer."""
+def write_tokenizer(
+    folder: Path, source_model: Path, target_model: Path, zh_samples: list[str], vocab_size: int | None = None
+) -> "MarianTokenizer":
+    """Write the four MarianTokenizer files into `folder`, reload them and `check_tokenizer` the
+    result on `zh_samples`; return the loaded tokenizer. `vocab_size`: see `build_vocab`."""
     from transformers import MarianTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = build_vocab(source_model, target_model)
+    vocab = build_vocab(source_model, target_model, vocab_size)
     vocab_path = folder / "vocab.json"
     vocab_path.write_text(json.dumps(vocab, ensure_ascii=False, indent=0), encoding="utf-8")
     tok = MarianTokenizer(
