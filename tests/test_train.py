@@ -200,6 +200,7 @@ def test_training_cli_and_resume(tmp_path):
     from train.curve import curve_table, score_run
 
     assert sorted(p.name for p in (run / "snapshots").iterdir()) == ["step-3.pt", "step-6.pt"]
+    assert [r["step"] for r in score_run(run, corpus / "dev.tsv", only={6})] == [6]
     rows = score_run(run, corpus / "dev.tsv")
     assert [r["step"] for r in rows] == [3, 6] and rows[1]["minutes"] is not None
     assert json.loads((run / "curve.json").read_text()) == rows

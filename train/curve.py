@@ -27,7 +27,7 @@ def load_snapshot(path: Path) -> tuple[int | None, dict]:
     return (int(match.group(1)) if match else None), state
 
 
-def score_run(run_dir: Path, dev: Path = DEV_TSV, threads: int = 1) -> list[dict]:
+def score_run(run_dir: Path, dev: Path = DEV_TSV, threads: int = 1, only: set[int] | None = None) -> list[dict]:
     import torch
     from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
@@ -49,7 +49,7 @@ def score_run(run_dir: Path, dev: Path = DEV_TSV, threads: int = 1) -> list[dict
     key = f"repeat{REPEAT_RUN}_share"
     for path in sorted((run_dir / "snapshots").glob("*.pt")):
         step, state = load_snapshot(path)
-        if step is None or step in done:
+        if step is None or step in done or (only is not None and step not in only):
             continue
         model.load_state_dict(state)
         r = evaluate_model(model, tok, pairs)
@@ -80,12 +80,14 @@ def main(argv=None) -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--dev", type=Path, default=DEV_TSV)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, nargs="+", default=None, help="score only these snapshots' steps")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(curve_table(score_run(args.run_dir, args.dev, args.threads)))
+    only = set(args.steps) if args.steps else None
+    print(curve_table(score_run(args.run_dir, args.dev, args.threads, only)))
 
 
 if __name__ == "__main__":
