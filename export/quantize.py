@@ -32,6 +32,8 @@ def quantize_int8(src: Path, dst: Path) -> dict:
         extra_options={"MatMulConstBOnly": True},  # activations x activations (attention) stay fp32
     )
     model = onnx.load(str(dst))
+    # The quantizer's nodes get the metadata of the MatMuls they replace (service/locate.py reads it).
+    rewrite.copy_scope_metadata(onnx.load(str(src), load_external_data=False), model)
     gathers = rewrite.quantize_gathers(model)
     onnx.checker.check_model(model)
     onnx.save(model, str(dst))

@@ -8,6 +8,12 @@ session), and the int8 quantizer skips the output layer because its weight is no
 initializer. Storing the weight once, already transposed (d, V), fixes both: the MatMul reads it
 directly (and gets quantized), and the embedding becomes `Transpose(Gather(W_t, ids, axis=1))`,
 which copies the same numbers. Values are bit-identical; only where they live changes.
+
+Every node a rewrite adds carries the metadata of the node it stands for (`copy_metadata`): the
+dynamo exporter records on each node the module it came from (`namespace`,
+`pkg.torch.onnx.name_scopes`, `pkg.torch.onnx.class_hierarchy`), and `service/locate.py` maps
+graph values back to the model's modules with it. `copy_scope_metadata` does the same for the
+nodes ONNX Runtime's quantizer writes. Metadata only: no number changes.
 """
 
 from __future__ import annotations
@@ -37,6 +43,41 @@ def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
         for name in node.input:
             out.setdefault(name, []).append(node)
     return out
+
+
+def copy_metadata(node: onnx.NodeProto, source: onnx.NodeProto) -> None:
+    """Give `node` the metadata of `source`, the node it replaces or helps (nothing if it has some)."""
+    if not node.metadata_props:
+        node.metadata_props.extend(source.metadata_props)
+
+
+def copy_scope_metadata(source: onnx.ModelProto, model: onnx.ModelProto) -> int:
+    """Metadata for the nodes a tool wrote into `model`, a rewrite of `source` (ORT's quantizer).
+
+    A node without metadata that produces a value `source` also produces (the quantizer's last Mul
+    writes the replaced MatMul's output name) takes that producer's metadata; then, walking back,
+    a node without metadata whose outputs are read only by nodes of one module (the MatMulInteger
+    and Cast before that Mul) takes theirs. A node feeding several modules (one activation
+    quantized once for q, k and v) stays without. Returns how many nodes got metadata.
+    """
+    producers = {o: n for n in source.graph.node if n.metadata_props for o in n.output}
+    copied = 0
+    for node in model.graph.node:
+        origin = next((producers[o] for o in node.output if o in producers), None)
+        if origin is not None and not node.metadata_props:
+            copy_metadata(node, origin)
+            copied += 1
+    readers = _readers(model.graph)
+    outputs = {o.name for o in model.graph.output}
+    for node in reversed(model.graph.node):  # topological order reversed: readers first
+        if node.metadata_props or any(o in outputs for o in node.output):
+            continue
+        users = [u for o in node.output for u in readers.get(o, [])]
+        scopes = {tuple((p.key, p.value) for p in u.metadata_props if p.key == "namespace") for u in users}
+        if users and all(u.metadata_props for u in users) and len(scopes) == 1 and scopes != {()}:
+            copy_metadata(node, users[0])
+            copied += 1
+    return copied
 
 
 def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
@@ -80,12 +121,11 @@ def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
             g.attribute.append(helper.make_attribute("axis", 1))
             g.output[0] = f"{out}.by_column"
             at = list(graph.node).index(g) + 1
-            graph.node.insert(
-                at,
-                helper.make_node(
-                    "Transpose", [g.output[0]], [out], name=f"{g.name}.to_rows", perm=[*range(1, rank + 1), 0]
-                ),
+            to_rows = helper.make_node(
+                "Transpose", [g.output[0]], [out], name=f"{g.name}.to_rows", perm=[*range(1, rank + 1), 0]
             )
+            copy_metadata(to_rows, g)  # still the embedding module's output
+            graph.node.insert(at, to_rows)
         done.append({"weight": weight, "stored_as": t_name, "shape": list(w.T.shape),
                      "matmuls": [u.name for u in users], "gathers": [g.name for g in others]})
     return {"weights": done}
@@ -174,6 +214,7 @@ def quantize_gathers(model: onnx.ModelProto) -> dict:
         at = list(graph.node).index(g)
         graph.node.remove(g)
         for i, node in enumerate(nodes):
+            copy_metadata(node, g)
             graph.node.insert(at + i, node)
         readers[weight].remove(g)
         if not readers[weight]:
