@@ -17,22 +17,16 @@ import gettext
 import gzip
 import re
 import sys
-import unicodedata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from corpus import DATA, DEV_TSV, TRAIN_TSV, Pair, read_pairs  # noqa: E402
-from train.data import filter_pairs  # noqa: E402
+from train.data import dev_key, filter_pairs  # noqa: E402
 
 OUT = DATA / "extra.tsv.gz"
 _MARKUP = re.compile(r"[<>\[\]~{}@#\\|]|&\w+;")
 _CJK = re.compile(r"[\u3400-\u9fff]")
-
-
-def dev_key(text: str) -> str:
-    """Case, width and punctuation folded: the normalisation for the dev-overlap check."""
-    return re.sub(r"[\W_]+", "", unicodedata.normalize("NFKC", text).lower())
 
 
 def catalog_pairs(mo: Path):

@@ -94,6 +94,21 @@ def test_examples_file():
 
 # -- data and batching --------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["train.tsv.gz", "extra.tsv.gz"])
+def test_training_files_disjoint_from_dev(name):
+    dev = read_pairs(REPO / "data" / "dev.tsv", require_zh=True)
+    dev_en, dev_zh = {data.dev_key(p.en) for p in dev}, {data.dev_key(p.zh) for p in dev}
+    pairs = read_pairs(REPO / "data" / name, require_zh=True)
+    assert len(pairs) > 6000
+    assert not [p for p in pairs if data.dev_key(p.en) in dev_en or data.dev_key(p.zh) in dev_zh]
+
+
+def test_dev_key_folds_case_width_and_punctuation():
+    assert data.dev_key("Where is the  station?") == data.dev_key("where is the station") == "whereisthestation"
+    assert data.dev_key("今天很冷。") == data.dev_key("今天很冷") and data.dev_key("ＡＢＣ，") == "abc"
+    assert data.dev_key("今天很冷。") != data.dev_key("今天不冷。")
+
+
 def test_read_tsv_never_merges_quoted_rows(tmp_path):
     path = tmp_path / "t.tsv"
     path.write_text('source\ten\tzh\nx\tSay "hi\t说“嗨\nx\tthen" bye\t然后再见\n', encoding="utf-8")

@@ -72,5 +72,13 @@ def filter_pairs(pairs: list[Pair], opts: FilterOptions = FilterOptions()) -> tu
     return kept, stats
 
 
+def dev_key(text: str) -> str:
+    """A side folded for the train/dev disjointness check: NFKC, lower case, no spaces or punctuation.
+
+    No training pair may share a folded English or a folded Chinese side with a dev pair.
+    """
+    return re.sub(r"[\W_]+", "", unicodedata.normalize("NFKC", text).lower())
+
+
 def is_tatoeba(source: str) -> bool:
     return source == "tatoeba"
