@@ -19,11 +19,14 @@ def _clip(text: str, limit: int = 160) -> str:
 def render_quality(results: dict) -> str:
     m, ref = results["model"], results["reference"]
     out = [f"# Quality: {Path(m['export']).name}", ""]
-    out += [f"{results['sentences']} sentences from `{results['tsv']}`, batch size {results['batch_size']} "
-            f"(length-sorted), up to eos or {results['max_new_tokens']} tokens; reference backend `{ref}`.", ""]
-    out += env_lines(results) + [""]
+    source = results.get("input", {}).get("path") or results.get("tsv")
+    extra = {k: v for k, v in results.get("decode", {}).items() if k not in ("max_new_tokens", "top_k")}
+    out += [f"{results['sentences']:,} sentences from `{source}`, batch size {results['batch_size']} "
+            f"(length-sorted), up to eos or {results['max_new_tokens']} tokens"
+            + "".join(f", {k}={v}" for k, v in extra.items()) + f"; reference backend `{ref}`.", ""]
+    out += env_lines(results) + engine_lines(results) + [""]
     head = ["backend", "identical tokens", "identical text", "BLEU vs refs", "Δ BLEU", "chrF vs refs", "Δ chrF", "BLEU vs ref backend",
-            "chrF vs ref backend", "first divergence (steps: count)", "seconds"]
+            "chrF vs ref backend", "first divergence (steps: count)", "backend s"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, b in results["backends"].items():
         q, qp = b.get("vs_references") or {}, b.get("vs_reference_backend") or {}
@@ -35,20 +38,48 @@ def render_quality(results: dict) -> str:
         out.append("| " + " | ".join(row) + " |")
     for name, why in results.get("not_run", {}).items():
         out.append(f"- `{name}`: {why}")
-    out += ["", "Divergence steps count from 0 (the first generated token). BLEU uses sacrebleu tokenize=\"zh\".", ""]
+    out += ["", "Divergence steps count from 0 (the first generated token). BLEU uses sacrebleu tokenize=\"zh\". "
+            "Backend s: the backend's translate time summed over every worker.", ""]
     for name, b in results["backends"].items():
         if not b["differing"]:
             continue
-        out += [f"## `{name}`: {len(b['differing'])} sentences differ from `{ref}`", ""]
+        total = b.get("differing_total", len(b["differing"]))
+        out += [f"## `{name}`: {total:,} sentences differ from `{ref}`", ""]
         for d in b["differing"][:50]:
             out += [f"- step {d['first_divergence']}: {d['en']}", f"  - `{ref}`: {_clip(d['reference_output'])}",
                     f"  - `{name}`: {_clip(d['output'])}"]
             if d.get("reference"):
                 out.append(f"  - reference: {_clip(d['reference'])}")
-        if len(b["differing"]) > 50:
-            out.append(f"- … {len(b['differing']) - 50} more in results.json")
+        if total > 50:
+            listed = "results.json" if len(b["differing"]) == total else f"results.json (the first {len(b['differing']):,})"
+            out.append(f"- … {total - 50:,} more in {listed} and every one in shards/*.parquet")
         out.append("")
     return "\n".join(out)
+
+
+def engine_lines(results: dict) -> list[str]:
+    """The corpus engine's block: which engine, nodes, actors, shards, throughput."""
+    e = results.get("engine")
+    if not e:
+        return []
+    lines = [f"- Engine: {e['name']}"
+             + (f" (ray {e['ray']}, {e['address']}): {e['nodes']} node(s), {e['cluster_cpus']} CPUs, {e['actors']} "
+                f"actor(s) x {e['threads_per_actor']} thread(s), model files {e['model_transfer']}"
+                if e["name"] == "ray" and "nodes" in e else
+                f": {e['threads_per_actor']} thread(s) per backend" if "threads_per_actor" in e else "")
+             + f"; {e['shards']} shards of {e['shard_size']}"
+             + (f", {e['shards_resumed']} already done (resumed)" if e.get("shards_resumed") else "")
+             + (f", {e['duplicate_shards_dropped']} duplicate(s) dropped" if e.get("duplicate_shards_dropped") else "")]
+    if e.get("sentences_per_s"):
+        lines.append(f"- This run translated {e['sentences_translated']:,} sentences through every backend in "
+                     f"{e['wall_s']:,.1f} s: {e['sentences_per_s']:.2f} sentences/s (first shard after "
+                     f"{e['first_shard_s']:.1f} s: start-up and model loading)")
+    workers = results.get("workers") or []
+    if workers:
+        nodes = {w.get("node") or w.get("host") for w in workers}
+        lines.append(f"- Shards written by {len(workers)} worker process(es) on {len(nodes)} node(s); "
+                     f"per-sentence results: `{results.get('per_sentence', 'shards/*.parquet')}`")
+    return lines
 
 
 def write_quality(results: dict, out_dir: Path) -> dict[str, Path]:
