@@ -1,7 +1,7 @@
 """python -m bench {speed,quality}: the benchmarks, one command each, results as files.
 
   python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--peers] [--quick] [--out DIR]
-  python -m bench quality [--model DIR] [--tsv FILE] [--sentences N] [--threads 2] [--out DIR]
+  python -m bench quality [--model DIR] [--input FILE|DIR] [--sentences N] [--engine local|ray [--address A] [--actors N]] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
@@ -16,8 +16,6 @@ import argparse
 import datetime as dt
 import sys
 from pathlib import Path
-
-from corpus import read_pairs
 
 from . import peers as peers_mod
 from .data import DEFAULT_TSV, RESULTS, resolve_model, sentences_arg
@@ -67,25 +65,46 @@ def speed(args) -> int:
     return 1 if results["failed"] else 0
 
 
+def _decode_option(value: str) -> tuple[str, object]:
+    """--decode KEY=VALUE: a keyword argument for Backend.translate; VALUE read as JSON (4, 1.0, true) or text."""
+    import json
+
+    key, sep, raw = value.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. num_beams=4), got {value!r}")
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
 def quality(args) -> int:
     from . import quality as quality_mod
+    from .engine import EngineOptions, EngineUnavailable
     from .report import write_quality
 
-    pairs = read_pairs(args.tsv, require_zh=True)
-    if args.sentences:
-        pairs = pairs[: args.sentences]
-    export_dir = resolve_model(args.model, threads=args.threads)
+    options = EngineOptions(engine=args.engine, threads=args.threads, batch_size=args.batch_size,
+                            shard_size=args.shard_size, actors=args.actors, address=args.address,
+                            model_transfer=args.model_transfer, node_cache=args.node_cache)
+    export_dir = resolve_model(args.model, threads=options.threads_per_worker)
     out = args.out or _default_out("quality", export_dir)
-    results = quality_mod.run(export_dir, pairs, names=args.backends, threads=args.threads,
-                              batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              log=lambda m: print(m, flush=True))
-    results["tsv"] = str(args.tsv)
+    try:
+        results = quality_mod.run(export_dir, args.input, out, names=args.backends, options=options,
+                                  limit=args.sentences, max_new_tokens=args.max_new_tokens,
+                                  decode=dict(args.decode or []), log=lambda m: print(m, flush=True))
+    except EngineUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_quality(results, out)
     for name, b in results["backends"].items():
         a, q = b["agreement"], b["vs_references"] or {}
         print(f"{name}: identical tokens {a['identical']}/{a['n']}, BLEU {q.get('bleu', '–')}, chrF {q.get('chrf', '–')}"
-              f", {b['seconds']:.1f} s")
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}")
+              f", {b['seconds']:.1f} backend-s")
+    e = results["engine"]
+    if e.get("sentences_per_s"):
+        print(f"{e['name']}: {e['sentences_translated']:,} sentences in {e['wall_s']:.1f} s, "
+              f"{e['sentences_per_s']:.2f} sentences/s (every backend)")
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'shards'}/*.parquet")
     return 0
 
 
@@ -163,15 +182,29 @@ def main(argv=None) -> int:
     sp.add_argument("--out", type=Path)
     sp.set_defaults(func=speed)
 
-    qp = sub.add_parser("quality", help="token agreement with PyTorch, BLEU and chrF per backend")
+    qp = sub.add_parser("quality", help="token agreement with PyTorch, BLEU and chrF per backend, on one machine "
+                        "or a Ray cluster")
     qp.add_argument("--model", help="Marian model folder or export folder (default: the embedded model)")
-    qp.add_argument("--tsv", type=Path, default=DEFAULT_TSV, help="TSV with `en` and `zh` columns")
+    qp.add_argument("--input", "--tsv", dest="input", type=Path, default=DEFAULT_TSV,
+                    help="corpus with `en` and `zh`: .tsv/.tsv.gz, .jsonl/.jsonl.gz, .parquet, or a folder of them")
     qp.add_argument("--sentences", type=int, help="only the first N rows")
     qp.add_argument("--backends", type=_csv)
-    qp.add_argument("--threads", type=int, default=2)
+    qp.add_argument("--threads", type=int, help="per backend (default: 2 with the local engine, 1 per Ray actor)")
     qp.add_argument("--batch-size", type=int, default=16)
     qp.add_argument("--max-new-tokens", type=int, default=256)
-    qp.add_argument("--out", type=Path)
+    qp.add_argument("--decode", type=_decode_option, action="append", metavar="KEY=VALUE",
+                    help="a further Backend.translate option, e.g. num_beams=4 (repeatable)")
+    qp.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local: this process; ray: Ray Data and an actor pool (a local cluster, or --address)")
+    qp.add_argument("--address", help="ray: join this cluster ('auto', or 'ray://host:port'); default: start one here")
+    qp.add_argument("--actors", type=int, help="ray: actors, each loading the backends once (default: one per "
+                    "CPU slot, the cluster's CPUs // --threads)")
+    qp.add_argument("--shard-size", type=int, default=128, help="sentences per shard: the unit of work, retry and resume")
+    qp.add_argument("--model-transfer", choices=("auto", "shared", "ship"), default="auto",
+                    help="ray: 'shared' when the export path is the same on every node, 'ship' to send it through "
+                    "the object store (once per node, checksums checked there); auto: ship when there are other nodes")
+    qp.add_argument("--node-cache", help="ray: where shipped exports go on each node (default: its temp folder)")
+    qp.add_argument("--out", type=Path, help="results folder; a rerun with the same --out resumes")
     qp.set_defaults(func=quality)
 
     tp = sub.add_parser("table", help="print a speed run's compact table (for the README)")
