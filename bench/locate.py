@@ -28,19 +28,21 @@ def table(report: dict[str, Any]) -> str:
         f"PyTorch's token {ref['piece']!r} (id {ref['id']}), the backend's argmax {got['piece']!r} (id {got['id']}), "
         f"max |Δlogit| {report['max_abs_dlogit']:.3g}",
         "",
-        f"| module | max \\|Δ\\| | rel. error | threshold ({metric}) | op types |",
-        "|---|---:|---:|---:|---|",
+        f"| module | max \\|Δ\\| | rel. error | threshold ({metric}) | op types | as ONNX Runtime runs them |",
+        "|---|---:|---:|---:|---|---|",
     ]
     first = (report["first_over_tolerance"] or {}).get("module")
     for row in report["layers"]:
         name = f"**{row['module']}** ← first over" if row["module"] == first else row["module"]
+        ort_ops = "fused: read from the exported graph" if row["read_from"] == "exported" else ", ".join(row["ort_op_types"])
         lines.append(
             f"| {name} | {_number(row['max_abs_diff'])} | {_number(row['rel_error'])} | "
-            f"{_number(row['threshold'])} | {', '.join(row['op_types'])} |"
+            f"{_number(row['threshold'])} | {', '.join(row['op_types'])} | {ort_ops} |"
         )
     if report["unmapped"]:
         lines += ["", f"not found in the graph: {', '.join(report['unmapped'])}"]
-    lines += ["", report["summary"]]
+    reading = ", ".join(f"{k} {v:.2g}" for k, v in report["reading_max_abs_dlogit"].items())
+    lines += ["", f"reading the module outputs changed the logits by at most: {reading}", "", report["summary"]]
     return "\n".join(lines)
 
 

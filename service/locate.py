@@ -56,7 +56,6 @@ PyTorch model. The ORT backends are untouched; the sessions here are built with 
 from __future__ import annotations
 
 import ast
-import logging
 import math
 import re
 import tempfile
@@ -69,8 +68,6 @@ import numpy as np
 
 from backends import REFERENCE, Backend, InputError, ManifestError, SessionConfig, load_backends
 from backends.divergence import first_divergence, forced_drift
-
-logger = logging.getLogger("service.locate")
 
 TOLERANCE = 1e-4  # fp32: max |Δ| per module, as the export's logits check
 JUMP_FACTOR = 4.0  # fp16 / int8: relative error over this many times the worst before it
@@ -181,8 +178,6 @@ class GraphMap:
     values: dict[str, str] = field(default_factory=dict)  # module -> value name
     op_types: dict[str, list[str]] = field(default_factory=dict)
     types: dict[str, int] = field(default_factory=dict)  # value name -> ONNX elem type
-    scoped_nodes: int = 0
-    nodes: int = 0
 
 
 def _value_types(model) -> dict[str, int]:
@@ -205,8 +200,7 @@ def map_graph(model, modules: list[str], file: str = "") -> GraphMap:
     graph = model.graph
     nodes = list(graph.node)
     mods = [hf_module(*_node_scope(n)) for n in nodes]
-    scoped = sum(m is not None for m in mods)
-    if not scoped:
+    if all(m is None for m in mods):
         raise LocateError(
             f"cannot map {file or 'this graph'} to the model's modules: none of its {len(nodes)} nodes records the "
             "module it came from (no `namespace` / `pkg.torch.onnx.name_scopes` metadata from torch.onnx.export("
@@ -226,7 +220,7 @@ def map_graph(model, modules: list[str], file: str = "") -> GraphMap:
                 mods[i] = users.pop()
 
     types = _value_types(model)
-    result = GraphMap(file=file, types=types, scoped_nodes=scoped, nodes=len(nodes))
+    result = GraphMap(file=file, types=types)
     for module in modules:
         candidates = []
         for i, n in enumerate(nodes):

@@ -46,10 +46,14 @@ def _ort_ops(row: dict[str, Any]) -> str:
 
 
 def _section(module: str) -> str:
-    """"encoder 0", "decoder 3", "lm_head": the layer a module belongs to, for the axis."""
+    """"enc 0", "dec 3", "lm_head": the layer a module belongs to, for the axis (an embedding
+    goes with layer 0, whose inputs it makes)."""
     parts = module.split(".")
-    if len(parts) > 2 and parts[1] == "layers":
-        return f"{parts[0]} {parts[2]}"
+    side = {"encoder": "enc", "decoder": "dec"}.get(parts[0])
+    if side and len(parts) > 2 and parts[1] == "layers":
+        return f"{side} {parts[2]}"
+    if side and parts[-1] == "embed_tokens":
+        return f"{side} 0"
     return module
 
 
@@ -87,8 +91,14 @@ def locate_figure(report: dict[str, Any]):
         i = next(k for k, row in enumerate(layers) if row["module"] == first["module"])
         ax.scatter([i], [values[i]], marker="*", s=160, color="#d62728", zorder=3,
                    label=f"first over: {first['module']}")
-        ax.annotate(first["module"], (i, values[i]), textcoords="offset points", xytext=(6, 8), fontsize=8,
-                    color="#d62728")
+        right = i > len(layers) / 2  # keep the label inside the axes
+        ax.annotate(first["module"], (i, values[i]), textcoords="offset points", xytext=(-8 if right else 8, -4),
+                    ha="right" if right else "left", va="top", fontsize=8, color="#d62728")
+    jump = report.get("largest_jump")
+    if jump and not first:  # nothing over the tolerance: where the error grew most
+        i = next(k for k, row in enumerate(layers) if row["module"] == jump["module"])
+        ax.scatter([i], [values[i]], marker="^", s=60, facecolors="none", edgecolors="#e07b00", zorder=3,
+                   label=f"largest increase: {jump['module']} ({jump['ratio']:.2g}×)")
     # One tick per layer, at its first module; thin lines between layers.
     ticks, names = [], []
     for i, row in enumerate(layers):
@@ -98,8 +108,7 @@ def locate_figure(report: dict[str, Any]):
             names.append(section)
             if i:
                 ax.axvline(i - 0.5, color="#cccccc", lw=0.6, zorder=0)
-    ax.set_xticks(ticks, [n.replace("encoder ", "enc ").replace("decoder ", "dec ") for n in names],
-                  fontsize=7, rotation=0)
+    ax.set_xticks(ticks, names, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel(_METRIC.get(metric, metric), fontsize=8)
     ax.set_xlim(-0.8, len(layers) - 0.2)
