@@ -20,7 +20,9 @@ CSS = """
 .locate-error { color: #d62728; font-weight: 600; white-space: pre-wrap; }
 table.locate { border-collapse: collapse; font-size: 0.82em; width: 100%; }
 table.locate th, table.locate td { border: 1px solid var(--border-color-primary); padding: 1px 6px; text-align: left; }
-table.locate td.num { text-align: right; font-variant-numeric: tabular-nums; font-family: var(--font-mono); }
+table.locate td.num { text-align: right; font-variant-numeric: tabular-nums; font-family: var(--font-mono);
+                      white-space: nowrap; }
+.locate-rows { max-height: 28em; overflow-y: auto; }
 table.locate tr.over td { background: #ffd9a8; color: #000; }
 table.locate tr.first td { background: #ffc2c2; color: #000; font-weight: 600; }
 """
@@ -154,8 +156,8 @@ def locate_html(report: dict[str, Any]) -> str:
     return (
         f'<div class="locate-summary">{_e(report["summary"])}</div>'
         + "".join(f'<div class="locate-note">{n}</div>' for n in notes)
-        + '<table class="locate"><tr><th>module</th><th>max |Δ|</th><th>rel. error</th>'
+        + '<div class="locate-rows"><table class="locate"><tr><th>module</th><th>max |Δ|</th><th>rel. error</th>'
         f"<th>threshold ({metric})</th><th>ONNX ops since the module before</th><th>as ORT runs them</th></tr>"
         + "".join(rows)
-        + "</table>"
+        + "</table></div>"
     )
