@@ -67,13 +67,13 @@ def engine_lines(results: dict) -> list[str]:
                 f"actor(s) x {e['threads_per_actor']} thread(s), model files {e['model_transfer']}"
                 if e["name"] == "ray" and "nodes" in e else
                 f": {e['threads_per_actor']} thread(s) per backend" if "threads_per_actor" in e else "")
-             + f"; {e['shards']} shards of {e['shard_size']}"
+             + f"; {e['shards']} shard(s) of {e['shard_size']}"
              + (f", {e['shards_resumed']} already done (resumed)" if e.get("shards_resumed") else "")
              + (f", {e['duplicate_shards_dropped']} duplicate(s) dropped" if e.get("duplicate_shards_dropped") else "")]
     if e.get("sentences_per_s"):
         lines.append(f"- This run translated {e['sentences_translated']:,} sentences through every backend in "
-                     f"{e['wall_s']:,.1f} s: {e['sentences_per_s']:.2f} sentences/s (first shard after "
-                     f"{e['first_shard_s']:.1f} s: start-up and model loading)")
+                     f"{e['wall_s']:,.1f} s: {e['sentences_per_s']:.2f} sentences/s (the first shard arrived after "
+                     f"{e['first_shard_s']:.1f} s: start-up, model loading and that shard)")
     workers = results.get("workers") or []
     if workers:
         nodes = {w.get("node") or w.get("host") for w in workers}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ class EngineOptions:
     address: str | None = None  # ray: "auto" or "ray://host:port" joins a cluster; None starts a local one
     model_transfer: str = "auto"  # ray: "shared" path on every node, "ship" through the object store, "auto"
     node_cache: str | None = None  # ray: where shipped exports go on each node (default: the temp folder)
-    progress: bool | None = None  # the progress bar; None: only on a terminal
+    progress: bool = True  # the progress bar (sentences/s, ETA) on stderr
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -155,8 +156,9 @@ def run_corpus(export_dir: Path, input_path, out: Path, names: list[str], refere
         f"{len(done)} shards already in {store.dir}; engine {options.engine}")
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=resumed, unit=" sentences", smoothing=0.1, disable=(
-        None if options.progress is None else not options.progress), desc=options.engine)
+    tty = sys.stderr.isatty()  # in a log (a submitted job, CI): a line every 30 s instead of a live bar
+    bar = tqdm(total=total, initial=resumed, unit=" sentences", smoothing=0.1, mininterval=0.5 if tty else 30,
+               disable=not options.progress, desc=options.engine, file=sys.stderr)
     state = {"seen": set(done), "duplicates": 0, "first": None, "translated": 0}
     start = time.perf_counter()
 
