@@ -1,42 +1,98 @@
 """What every backend shares: decode options, results, and the backend class itself.
 
 A backend is a tokenizer plus a `StepModel` (the engine: how next-token logits are produced).
-Everything else, the greedy loop, stop rules, masks, timings and scores, lives in `decoding.py`
-and is written once.
+Everything else, the decoding loop (greedy and beam search), stop rules, masks, timings and
+scores, lives in `decoding.py` and is written once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from .manifest import Manifest, SpecialTokens
+from .manifest import GenerationDefaults, Manifest, SpecialTokens
 from .tokenizer import MarianTokenizerWrapper
+
+MAX_BEAMS = 16
+
+
+def _int_in(name: str, value: Any, low: int, high: int, note: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in {low}..{high}{note}, got {value!r}")
+    return int(value)
+
+
+def _finite(name: str, value: Any, positive: bool = False, note: str = "") -> float:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+    if not ok or not math.isfinite(value) or (positive and not value > 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}{note}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    # Hard cap on generated tokens, eos included; None takes the sidecar's limit (never unbounded).
+    """One call's decoding options. None takes the export's default: the model's own generation
+    config as recorded in the sidecar (`GenerationDefaults`), else generate()'s default."""
+
+    # Hard cap on generated tokens, eos included; None: the model's max_length, else the position limit.
     max_new_tokens: int | None = None
     # eos is masked until this many tokens exist; benchmarks force equal lengths with it.
-    min_new_tokens: int = 0
+    min_new_tokens: int | None = None
     # Alternatives recorded per step for the divergence view.
     top_k: int = 5
+    # 1: greedy search; 2..MAX_BEAMS: beam search with that many hypotheses per sentence.
+    num_beams: int | None = None
+    # A finished hypothesis scores sum(log-probs) / length ** length_penalty (length counts eos).
+    length_penalty: float | None = None
+    # When a sentence's beam search ends: True, as soon as num_beams hypotheses are finished; False,
+    # generate()'s heuristic (the best running score at the current length cannot win); "never",
+    # the exact bound (at the longest possible length when length_penalty > 0).
+    early_stopping: bool | str | None = None
+    # No n-gram of this size appears twice in one hypothesis (0: off).
+    no_repeat_ngram_size: int | None = None
+    # > 1 lowers the score of every token already in the hypothesis, < 1 raises it (1.0: off).
+    repetition_penalty: float | None = None
+    # Hypotheses returned per sentence (the n-best list), best first; at most num_beams.
+    num_return_sequences: int | None = None
 
-    def resolved(self, limit: int) -> "DecodeOptions":
-        """Validate against the model's limit and fill in the default; raises ValueError."""
-        max_new = limit if self.max_new_tokens is None else self.max_new_tokens
-        if not isinstance(max_new, int) or not 1 <= max_new <= limit:
-            raise ValueError(f"max_new_tokens must be an integer in 1..{limit}, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= max_new:
-            raise ValueError(f"min_new_tokens must be an integer in 0..{max_new}, got {self.min_new_tokens!r}")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= 50:
-            raise ValueError(f"top_k must be an integer in 1..50, got {self.top_k!r}")
-        return dataclasses.replace(self, max_new_tokens=max_new)
+    def resolved(self, limit: int, defaults: GenerationDefaults | None = None) -> "DecodeOptions":
+        """Fill in the defaults and validate every option once; raises ValueError naming the valid range."""
+        d = defaults or GenerationDefaults()
+
+        def pick(name):
+            value = getattr(self, name)
+            return getattr(d, name) if value is None else value
+
+        max_new = pick("max_new_tokens")
+        max_new = _int_in("max_new_tokens", limit if max_new is None else max_new, 1, limit)
+        min_new = _int_in("min_new_tokens", pick("min_new_tokens"), 0, max_new)
+        _int_in("top_k", self.top_k, 1, 50)
+        beams = _int_in("num_beams", pick("num_beams"), 1, MAX_BEAMS, " (1: greedy search)")
+        returned = _int_in(
+            "num_return_sequences", pick("num_return_sequences"), 1, beams, f" (at most num_beams, {beams})"
+        )
+        early = pick("early_stopping")
+        if not (isinstance(early, bool) or early == "never"):
+            raise ValueError(f"early_stopping must be one of: False, True, 'never'; got {early!r}")
+        return dataclasses.replace(
+            self,
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
+            top_k=int(self.top_k),
+            num_beams=beams,
+            num_return_sequences=returned,
+            length_penalty=_finite("length_penalty", pick("length_penalty")),
+            early_stopping=early,
+            no_repeat_ngram_size=_int_in(
+                "no_repeat_ngram_size", pick("no_repeat_ngram_size"), 0, max_new, " (0: off)"
+            ),
+            repetition_penalty=_finite("repetition_penalty", pick("repetition_penalty"), True, " (1.0: off)"),
+        )
 
 
 @dataclass
@@ -48,16 +104,27 @@ class StepScore:
 
 
 @dataclass
+class Hypothesis:
+    """One entry of a sentence's n-best list."""
+
+    text: str
+    token_ids: list[int]
+    score: float  # as generate()'s `sequences_scores`: sum(log-probs) / len(token_ids) ** length_penalty
+
+
+@dataclass
 class Translation:
     text: str
     token_ids: list[int]  # generated ids, decoder start excluded, eos included when reached
     tokens: list[str]  # sentencepiece pieces of token_ids
     timings_ms: dict[str, float]  # tokenize, encode, first_token, decode, total, per_token (batch-wide)
     scores: list[StepScore]
-    stop_reason: str  # "eos" or "max_new_tokens"
+    stop_reason: str  # "eos", or "max_new_tokens" (cut at the cap, even where the model forces eos there)
     batch_size: int = 1
     non_finite_steps: list[int] = field(default_factory=list)  # steps whose logits held NaN or Inf
     repeated_run: int = 0  # longest run of one repeated token: a hint of degenerate output
+    score: float = 0.0  # this hypothesis' sequence score (see Hypothesis.score)
+    hypotheses: list[Hypothesis] = field(default_factory=list)  # num_return_sequences of them, best first
 
 
 @dataclass
@@ -73,13 +140,22 @@ class ForcedScores:
 
 
 class StepModel(Protocol):
-    """The engine behind a backend: encode once, then produce next-token logits per step."""
+    """The engine behind a backend: encode once, then produce next-token logits per step.
+
+    Beam search also needs `expand` and `reorder`; greedy search calls only `encode` and `step`.
+    """
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
         """input_ids, attention_mask: (b, s) int64 -> an opaque per-batch decoding state."""
 
     def step(self, state: Any, decoder_ids: np.ndarray) -> np.ndarray:
         """decoder_ids: (b, t) every token so far, start token first -> logits (b, V) float32."""
+
+    def expand(self, state: Any, n: int) -> None:
+        """Repeat each sentence's state n times, once, before the first step: rows [s0 x n, s1 x n, ...]."""
+
+    def reorder(self, state: Any, beam_idx: np.ndarray) -> None:
+        """beam_idx: (rows,) int64; row i continues from row beam_idx[i] (its cache and positions)."""
 
 
 class Backend:
@@ -104,17 +180,41 @@ class Backend:
         return self.manifest.special
 
     def translate(
-        self, texts: list[str], *, max_new_tokens: int | None = None, min_new_tokens: int = 0, top_k: int = 5
+        self,
+        texts: list[str],
+        *,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int | None = None,
+        top_k: int = 5,
+        num_beams: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        no_repeat_ngram_size: int | None = None,
+        repetition_penalty: float | None = None,
+        num_return_sequences: int | None = None,
     ) -> list[Translation]:
-        from .decoding import greedy_decode
+        """One Translation per text. None takes the export's default (see `DecodeOptions`)."""
+        from .decoding import decode
 
-        options = DecodeOptions(max_new_tokens, min_new_tokens, top_k).resolved(self.manifest.max_new_tokens)
+        options = DecodeOptions(
+            max_new_tokens,
+            min_new_tokens,
+            top_k,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            repetition_penalty=repetition_penalty,
+            num_return_sequences=num_return_sequences,
+        ).resolved(self.manifest.max_new_tokens, self.manifest.generation)
         start = time.perf_counter()
         batch = self.tokenizer.encode(texts, self.manifest.max_source_tokens)
         tokenize_ms = (time.perf_counter() - start) * 1e3
         # The loop scores each step's logits on as many threads as the engine itself uses.
         threads = int(self.info.get("threads") or 1)
-        results = greedy_decode(self.model, batch.input_ids, batch.attention_mask, self.special, options, threads)
+        results = decode(
+            self.model, batch.input_ids, batch.attention_mask, self.special, options, threads, self.manifest.generation
+        )
         translations = []
         for r in results:
             timings = dict(r.timings_ms)
@@ -132,6 +232,8 @@ class Backend:
                     batch_size=len(texts),
                     non_finite_steps=r.non_finite_steps,
                     repeated_run=r.repeated_run,
+                    score=r.score,
+                    hypotheses=[Hypothesis(self.tokenizer.decode(h), h, score) for h, score in r.hypotheses],
                 )
             )
         return translations

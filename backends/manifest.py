@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "marian-onnx-export"
-FORMAT_VERSION = 2  # 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
+# 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
+# 3: "generation": the model's own generation config, the decoding defaults (beam search, penalties)
+FORMAT_VERSION = 3
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
 
@@ -40,6 +43,180 @@ class SpecialTokens:
     bad_words_ids: tuple[int, ...]  # single-token bad words only; masked at every step
 
 
+# --- the model's generation config ----------------------------------------------------------------
+#
+# Recorded at export from `model.generation_config` (transformers 5.24) and used by every backend as
+# the decoding defaults, so a backend decodes as `generate()` does for that model. An option that
+# would change generate()'s output and that the decoding loop does not implement is refused at
+# export, naming it: never silently ignored.
+
+# transformers 5.24 `GenerationConfig._get_default_generation_params()`: what an unset field means
+# (tests/test_beam.py checks this copy against the installed transformers).
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "use_cache": True, "early_stopping": False,
+    "num_beams": 1, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0,
+    "repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "num_return_sequences": 1,
+    "output_scores": False, "return_dict_in_generate": False, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "remove_invalid_values": False, "exponential_decay_length_penalty": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10, "target_lookbehind": 10,
+    "num_beam_groups": 1, "diversity_penalty": 0.0,
+}
+# Implemented by backends/decoding.py and recorded in the sidecar.
+SUPPORTED_GENERATION = (
+    "num_beams", "length_penalty", "early_stopping", "max_length", "max_new_tokens", "min_length",
+    "min_new_tokens", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
+    "repetition_penalty", "num_return_sequences", "renormalize_logits",
+)
+# The model's special ids: must agree with its config (the backends use those).
+_IDENTITY = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# Change how generate() runs, not which tokens it returns.
+_BOOKKEEPING = (
+    "transformers_version", "_from_model_config", "use_cache", "output_attentions", "output_hidden_states",
+    "output_scores", "output_logits", "return_dict_in_generate", "cache_implementation", "cache_config",
+    "compile_config", "disable_compile", "max_cache_len", "prefill_chunk_size", "continuous_batching_config",
+    "is_assistant",
+)
+# Read by generate() only in a mode these backends never enter; recorded as inert, with the reason.
+_SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+_ASSISTANT_ONLY = (
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "assistant_ensemble_weight",
+    "max_matching_ngram_size", "speculation_type",
+)
+
+
+class UnsupportedGeneration(ValueError):
+    """The model's generation config asks for decoding the backends do not implement."""
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The sidecar's "generation" section: decoding defaults and the model's fixed rules."""
+
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    max_new_tokens: int | None = None  # None: the position limit (`limits.max_new_tokens`)
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+    num_return_sequences: int = 1
+    # The model's rules, applied on every call (not per-call options):
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as generate() masks them (a lone eos is never banned)
+    forced_bos_token_id: int | None = None  # the first generated token
+    forced_eos_token_id: int | None = None  # the last token at the length cap (beam search; see decoding.py)
+    renormalize_logits: bool = False  # log-softmax again after the processors
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any]) -> "GenerationDefaults":
+        fields = {k: section[k] for k in cls.__dataclass_fields__ if k in section}
+        fields["bad_words_ids"] = tuple(tuple(ids) for ids in fields.get("bad_words_ids") or ())
+        return cls(**fields)
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {}
+
+
+def generation_source_file(folder: Path) -> Path:
+    """Where transformers reads a local model's generation config from."""
+    file = Path(folder) / "generation_config.json"
+    return file if file.is_file() else Path(folder) / "config.json"
+
+
+def _digest(path: Path | None) -> dict[str, str] | None:
+    return None if path is None or not path.is_file() else {"file": path.name, "sha256": sha256_file(path)}
+
+
+def generation_section(
+    config: dict[str, Any], *, special: dict[str, Any], limit: int, vocab_size: int, source_file: Path | None = None
+) -> dict[str, Any]:
+    """The sidecar's "generation" section from `GenerationConfig.to_dict()`; raises UnsupportedGeneration.
+
+    `special`: the ids recorded in `special_tokens`; `limit`: the most new tokens positions allow;
+    `source_file`: the file the config was read from (its checksum tells `export.ensure` when it
+    changed). Every refused option is named in one error.
+    """
+    refused, inert = [], {}
+    do_sample = config.get("do_sample") is True
+    for key, value in sorted(config.items()):
+        if key in SUPPORTED_GENERATION or key in _BOOKKEEPING or not _is_set(value):
+            continue
+        if key in GENERATE_DEFAULTS and value == GENERATE_DEFAULTS[key]:
+            continue
+        if key == "guidance_scale" and value == 1:
+            continue
+        if key in _IDENTITY:
+            expected = special.get(key.replace("_token_id", ""))
+            if key == "bos_token_id" or value == expected or value == [expected]:
+                continue
+            refused.append(f"{key}={value!r} (the model config says {expected!r})")
+        elif key in _SAMPLING_ONLY and not do_sample:
+            inert[key] = f"{value!r}: read only when sampling (do_sample=True); generate() ignores it here too"
+        elif key in _ASSISTANT_ONLY:
+            inert[key] = f"{value!r}: read only with an assistant model, which these backends never use"
+        else:
+            refused.append(f"{key}={value!r}")
+    if refused:
+        raise UnsupportedGeneration(
+            "the model's generation config sets options the backends do not implement: "
+            + ", ".join(refused)
+            + f". Supported: {', '.join(SUPPORTED_GENERATION)}; edit generation_config.json (or pass a "
+            "model without these) and export again"
+        )
+    notes = []
+    eos = special["eos"]
+    if config.get("max_new_tokens") is not None:
+        max_new = int(config["max_new_tokens"])
+    elif config.get("max_length") is not None:
+        max_new = int(config["max_length"]) - 1  # the decoder start token counts towards max_length
+    else:
+        max_new = None  # generate() would stop at 20 new tokens, a model-agnostic fallback: not copied
+        notes.append("no max_length in the model's generation config: decoding runs up to the position limit "
+                     "(generate() would fall back to its model-agnostic 20 new tokens)")
+    if max_new is not None and max_new > limit:
+        notes.append(f"max new tokens {max_new} capped at the position limit {limit}")
+        max_new = limit
+    if config.get("min_new_tokens") is not None:
+        min_new = int(config["min_new_tokens"])
+    else:
+        min_new = max(0, int(config.get("min_length") or 0) - 1)
+    bad_words = [list(ids) for ids in config.get("bad_words_ids") or [] if list(ids) != [eos]]
+    out_of_range = [i for ids in bad_words for i in ids if not 0 <= i < vocab_size]
+    for key in ("forced_bos_token_id", "forced_eos_token_id"):
+        if config.get(key) is not None and not 0 <= config[key] < vocab_size:
+            out_of_range.append(config[key])
+    if out_of_range:
+        raise UnsupportedGeneration(f"token ids outside the vocabulary (0..{vocab_size - 1}): {out_of_range}")
+    defaults = {name: GENERATE_DEFAULTS.get(name) for name in ("num_beams", "length_penalty", "early_stopping",
+                                                               "no_repeat_ngram_size", "repetition_penalty",
+                                                               "num_return_sequences")}
+    section = {
+        **{k: (config.get(k) if config.get(k) is not None else v) for k, v in defaults.items()},
+        "max_new_tokens": max_new,
+        "min_new_tokens": min_new,
+        "bad_words_ids": bad_words,
+        "forced_bos_token_id": config.get("forced_bos_token_id"),
+        "forced_eos_token_id": config.get("forced_eos_token_id"),
+        "renormalize_logits": bool(config.get("renormalize_logits")),
+        "inert": inert,
+        "notes": notes,
+        "source": _digest(source_file),
+    }
+    section["length_penalty"] = float(section["length_penalty"])
+    section["repetition_penalty"] = float(section["repetition_penalty"])
+    from .base import DecodeOptions  # the one place option ranges are checked
+
+    try:
+        DecodeOptions().resolved(limit, GenerationDefaults.from_section(section))
+    except ValueError as e:
+        raise UnsupportedGeneration(f"the model's generation config is outside what the backends take: {e}") from e
+    return section
+
+
 @dataclass(frozen=True)
 class Manifest:
     root: Path
@@ -55,6 +232,10 @@ class Manifest:
             decoder_start=s["decoder_start"],
             bad_words_ids=tuple(ids[0] for ids in s["bad_words_ids"] if len(ids) == 1),
         )
+
+    @property
+    def generation(self) -> GenerationDefaults:
+        return GenerationDefaults.from_section(self.data["generation"])
 
     @property
     def max_source_tokens(self) -> int:
@@ -118,12 +299,21 @@ def load_manifest(export_dir: str | Path) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
-    if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+    version = data.get("format_version")
+    if data.get("format") == FORMAT and isinstance(version, int) and version < FORMAT_VERSION:
+        raise ManifestError(
+            f"{path}: written by an older export (format v{version}); this version reads v{FORMAT_VERSION}, "
+            "which records the model's generation config (beam search and its options): re-run the export "
+            f"(`python -m export SRC --out {root}`; the app re-creates its embedded model's export by itself)"
+        )
+    if data.get("format") != FORMAT or version != FORMAT_VERSION:
         raise ManifestError(
             f"{path}: format {data.get('format')!r} v{data.get('format_version')!r}, "
             f"expected {FORMAT!r} v{FORMAT_VERSION}"
         )
-    missing = [k for k in ("model", "special_tokens", "limits", "graphs", "files", "verification") if k not in data]
+    missing = [
+        k for k in ("model", "special_tokens", "limits", "generation", "graphs", "files", "verification") if k not in data
+    ]
     if missing:
         raise ManifestError(f"{path} lacks: {', '.join(missing)}")
     verification = data["verification"]

@@ -8,6 +8,11 @@ Serves `ort_fp32_kv_cache`, `ort_fp16` and `ort_int8` (graphs `decoder_fp16`, `d
 Caches stay ORT-owned `OrtValue`s from the step that produced them to the step that reads them
 (`run_with_ort_values`): `session.run` would copy every cache tensor into a new numpy array at
 each step and back. Only the logits are viewed as numpy, without a copy.
+
+Beam search: `expand` repeats each sentence's cross-attention keys/values once per beam (one
+Gather, right after the encoder; never recomputed), `reorder` gathers the self-attention cache
+rows by beam index after each step. Both run a tiny Gather graph built at load time
+(`ort_session.gather_rows_graph`) on the OrtValues themselves, so the cache stays ORT-owned.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from .ort_session import SessionConfig, create_session, session_info
+from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
@@ -27,6 +32,7 @@ class _State:
     attention_mask: ort.OrtValue  # (b, s) int64
     cross: list[ort.OrtValue]  # per layer key, value: (b, h, s, d)
     past: list[ort.OrtValue]  # per layer key, value: (b, h, p, d)
+    mask: np.ndarray  # the buffer behind attention_mask (an OrtValue does not own it)
 
 
 def _value(array: np.ndarray) -> ort.OrtValue:
@@ -49,15 +55,47 @@ class KVCacheStepModel:
         past_type = {i.name: i.type for i in self.decoder.get_inputs()}[self.past_names[0]]
         self.cache_dtype = _NP_TYPES[past_type]
         self.outputs = ["logits", *self.present_names]
+        # Beam search's row gathers: one small session per (tensor count, type), made on first use.
+        self._config = config
+        self._gathers: dict[tuple[int, str], ort.InferenceSession] = {}
         precision = manifest.graph(decoder)["precision"]
         self.info = session_info(self.decoder, dec_path, config, precision)
         self.info["graph"] = f"{enc_path.name} + {dec_path.name}"
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
-        mask = _value(attention_mask)
+        mask_array = np.ascontiguousarray(attention_mask)
+        mask = _value(mask_array)
         cross = self.encoder.run_with_ort_values(self.cross_names, {"input_ids": _value(input_ids), "attention_mask": mask})
-        empty = np.zeros((input_ids.shape[0], self.heads, 0, self.head_dim), dtype=self.cache_dtype)  # (b, h, 0, d)
-        return _State(mask, list(cross), [_value(empty)] * (2 * self.layers))
+        return _State(mask, list(cross), self._empty_past(input_ids.shape[0]), mask_array)
+
+    def _empty_past(self, rows: int) -> list[ort.OrtValue]:
+        empty = np.zeros((rows, self.heads, 0, self.head_dim), dtype=self.cache_dtype)  # (rows, h, 0, d)
+        return [_value(empty)] * (2 * self.layers)
+
+    def _gather(self, values: list[ort.OrtValue], index: np.ndarray) -> list[ort.OrtValue]:
+        """values[i][index] on axis 0, each an ORT-owned OrtValue (no numpy round trip)."""
+        key = (len(values), values[0].data_type())
+        if key not in self._gathers:
+            # No arena: the cache grows every step, and an arena would keep its largest size.
+            self._gathers[key] = create_session(gather_rows_graph(*key), self._config, memory_arena=False)
+        session = self._gathers[key]
+        feeds = {"index": _value(index.astype(np.int64))}
+        feeds.update((f"x{i}", v) for i, v in enumerate(values))
+        return list(session.run_with_ort_values([f"y{i}" for i in range(len(values))], feeds))
+
+    def expand(self, state: _State, n: int) -> None:
+        """Each sentence's rows n times ([s0 x n, s1 x n, ...]), once, before the first step: the
+        cross-attention keys/values are gathered, not recomputed."""
+        rows = state.mask.shape[0]
+        state.cross = self._gather(state.cross, np.repeat(np.arange(rows), n))  # (b * n, h, s, d)
+        state.mask = np.repeat(state.mask, n, axis=0)  # (b * n, s)
+        state.attention_mask = _value(state.mask)
+        state.past = self._empty_past(rows * n)
+
+    def reorder(self, state: _State, beam_idx: np.ndarray) -> None:
+        """Row i of the self-attention cache continues from row beam_idx[i]; cross-attention rows
+        are the same for every beam of a sentence and stay where they are."""
+        state.past = self._gather(state.past, beam_idx)  # (b * n, h, p, d) each
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": _value(decoder_ids[:, -1:]), "encoder_attention_mask": state.attention_mask}  # (b, 1)

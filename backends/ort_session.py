@@ -48,9 +48,11 @@ class SessionConfig:
 
 
 def create_session(
-    path: Path, config: SessionConfig, memory_arena: bool = True, tables=None
+    path: Path | bytes, config: SessionConfig, memory_arena: bool = True, tables=None
 ) -> "ort.InferenceSession":
-    """`tables`: a `shared_tables.SharedTables`; the graph's large lookup tables then use its copies."""
+    """`path`: a graph file, or a serialized graph (bytes).
+
+    `tables`: a `shared_tables.SharedTables`; the graph's large lookup tables then use its copies."""
     options = ort.SessionOptions()
     shared = []
     if tables is not None:
@@ -70,9 +72,33 @@ def create_session(
     # 6.4 ms on 1 thread, 6.7-7.4 ms on 2 with spinning, 4.2-4.7 ms on 2 without. Batch-1 step
     # times did not move measurably either way.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(str(path), sess_options=options, providers=config.providers())
+    graph = path if isinstance(path, bytes) else str(path)
+    session = ort.InferenceSession(graph, sess_options=options, providers=config.providers())
     session._shared_initializers = shared  # must outlive the session (ORT does not own them)
     return session
+
+
+def gather_rows_graph(count: int, elem_type: str) -> bytes:
+    """A graph taking `index` (n,) int64 and x0..x{count-1}, returning y_i = x_i[index] (Gather on
+    axis 0): beam search's cache reorder and per-beam expansion, run on OrtValues so the tensors
+    never leave ORT. `elem_type`: an ORT type string such as "tensor(float)"."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    types = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16, "tensor(int64)": TensorProto.INT64}
+    if elem_type not in types:
+        raise ValueError(f"no gather graph for {elem_type}; expected one of: {', '.join(types)}")
+    dims = ["rows", "d1", "d2", "d3"]
+    inputs = [helper.make_tensor_value_info("index", TensorProto.INT64, ["n"])]
+    inputs += [helper.make_tensor_value_info(f"x{i}", types[elem_type], dims) for i in range(count)]
+    outputs = [helper.make_tensor_value_info(f"y{i}", types[elem_type], ["n", "d1", "d2", "d3"]) for i in range(count)]
+    nodes = [helper.make_node("Gather", [f"x{i}", "index"], [f"y{i}"], axis=0) for i in range(count)]
+    model = helper.make_model(
+        helper.make_graph(nodes, "gather_rows", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
 
 
 def session_info(session: "ort.InferenceSession", path: Path, config: SessionConfig, precision: str) -> dict:

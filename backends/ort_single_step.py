@@ -30,6 +30,15 @@ class FullGraphStepModel:
         # Nothing to cache: the full graph re-encodes the source at every step.
         return _State(input_ids, attention_mask)
 
+    def expand(self, state: _State, n: int) -> None:
+        """Each sentence n times ([s0 x n, s1 x n, ...]) for beam search."""
+        state.input_ids = np.repeat(state.input_ids, n, axis=0)
+        state.attention_mask = np.repeat(state.attention_mask, n, axis=0)
+
+    def reorder(self, state: _State, beam_idx: np.ndarray) -> None:
+        """Nothing cached: every step reads the reordered decoder ids whole. Rows of one sentence
+        share its source, so the source rows need no reordering either."""
+
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         (logits,) = self.session.run(
             ["logits"],

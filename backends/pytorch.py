@@ -43,6 +43,21 @@ class TorchStepModel:
         return _State(encoder_outputs=enc, attention_mask=mask, cache=cache)
 
     @torch.inference_mode()
+    def expand(self, state: _State, n: int) -> None:
+        """Each sentence n times ([s0 x n, s1 x n, ...]), as generate()'s `_expand_inputs_for_generation`
+        does: every tensor of the encoder outputs and the mask repeat_interleave'd on the batch axis."""
+        for key, value in list(state.encoder_outputs.items()):
+            if isinstance(value, torch.Tensor):
+                state.encoder_outputs[key] = value.repeat_interleave(n, dim=0)  # (b * n, s, d)
+        state.attention_mask = state.attention_mask.repeat_interleave(n, dim=0)  # (b * n, s)
+        # The cache is still empty here: the first step fills it with b * n rows.
+
+    @torch.inference_mode()
+    def reorder(self, state: _State, beam_idx: np.ndarray) -> None:
+        """transformers' own cache reorder, as generate() calls it (`EncoderDecoderCache.reorder_cache`)."""
+        state.cache.reorder_cache(torch.from_numpy(np.ascontiguousarray(beam_idx, dtype=np.int64)))
+
+    @torch.inference_mode()
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         out = self.model(
             encoder_outputs=state.encoder_outputs,

@@ -1,7 +1,9 @@
 """python -m bench.parity EXPORT_DIR: greedy ids of every backend against PyTorch on dev sentences.
 
 The export's own verification runs 16 sentences; this is the larger check a user runs before
-shipping: by default the first 100 English sentences of data/dev.tsv.
+shipping: by default the first 100 English sentences of data/dev.tsv. `--num-beams 4` (and the
+other decoding flags) decode with beam search; `--generate` compares every backend, pytorch
+included, with transformers' `generate()` itself on the export's source model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,52 @@ from backends.divergence import parity_report
 from corpus import DEV_TSV, read_pairs
 
 
+class GenerateReference:
+    """transformers' `generate()` on the export's source model, shaped like a backend for
+    `parity_report`: the same tokenizer, the same options, the sidecar's bad words. Greedy search
+    keeps our contract at the length cap (no forced eos; see backends/decoding.py)."""
+
+    def __init__(self, export_dir: Path, threads: int | None):
+        import torch
+        import transformers
+        from transformers import MarianMTModel
+
+        from backends import load_manifest
+        from backends.pytorch import source_model_of
+        from backends.tokenizer import MarianTokenizerWrapper
+
+        if threads:
+            torch.set_num_threads(threads)
+        transformers.logging.set_verbosity_error()  # not one "max_new_tokens and max_length" warning per batch
+        self.manifest = load_manifest(export_dir)
+        self.model = MarianMTModel.from_pretrained(str(source_model_of(self.manifest))).eval()
+        self.tokenizer = MarianTokenizerWrapper(Path(export_dir))
+
+    def translate(self, texts: list[str], *, top_k: int = 5, **decode) -> list:
+        import torch
+        from types import SimpleNamespace
+
+        options = {k: v for k, v in decode.items() if v is not None}
+        greedy = options.get("num_beams", self.manifest.generation.num_beams) == 1
+        batch = self.tokenizer.encode(texts, self.manifest.max_source_tokens)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=torch.from_numpy(batch.input_ids),
+                attention_mask=torch.from_numpy(batch.attention_mask),
+                do_sample=False,
+                bad_words_ids=[[i] for i in self.manifest.special.bad_words_ids],
+                **({"forced_eos_token_id": None} if greedy else {}),
+                **options,
+            )
+        per = out.shape[0] // len(texts)  # num_return_sequences rows per sentence: the first is the best
+        pad = self.manifest.special.pad
+        rows = [[i for i in row[1:] if i != pad] for row in out[::per].tolist()]
+        return [SimpleNamespace(token_ids=ids, text=self.tokenizer.decode(ids)) for ids in rows]
+
+    def close(self) -> None:
+        self.model = None
+
+
 def run(
     export_dir: Path,
     sentences: list[str],
@@ -22,15 +70,20 @@ def run(
     batch_size: int,
     threads: int | None,
     names: tuple[str, ...] = BACKEND_NAMES,
+    against_generate: bool = False,
     **decode,
 ) -> dict:
     """The report of `backends.divergence.parity_report` (the export's own greedy check, at a larger
-    size); `decode` options go to `Backend.translate` with `max_new_tokens`."""
-    if REFERENCE not in names:
+    size); `decode` options go to `Backend.translate` with `max_new_tokens`. `against_generate`:
+    the reference is transformers' generate() ("generate"), not the pytorch backend."""
+    reference = "generate" if against_generate else REFERENCE
+    if not against_generate and REFERENCE not in names:
         names = (REFERENCE, *names)
     backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads))
+    if against_generate:
+        backends = {"generate": GenerateReference(export_dir, threads), **backends}
     try:
-        report = parity_report(backends, sentences, REFERENCE, batch_size, max_new_tokens=max_new_tokens, **decode)
+        report = parity_report(backends, sentences, reference, batch_size, max_new_tokens=max_new_tokens, **decode)
     finally:
         for backend in backends.values():
             backend.close()
@@ -47,14 +100,22 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--backends", default=",".join(BACKEND_NAMES), help="comma-separated; pytorch is always run")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--num-beams", type=int, default=None, help="default: the export's (its model's generation config)")
+    parser.add_argument("--length-penalty", type=float, default=None)
+    parser.add_argument("--early-stopping", choices=("true", "false", "never"), default=None)
+    parser.add_argument("--generate", action="store_true", help="compare with transformers' generate(), not the pytorch backend")
     args = parser.parse_args(argv)
     names = tuple(n for n in args.backends.split(",") if n)
     sentences = [p.en for p in read_pairs(args.tsv, limit=args.sentences)]
-    report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names)
+    early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
+    decode = {"num_beams": args.num_beams, "length_penalty": args.length_penalty, "early_stopping": early}
+    decode = {k: v for k, v in decode.items() if v is not None}
+    report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names, args.generate, **decode)
+    reference = "generate()" if args.generate else REFERENCE
     for name, r in report["backends"].items():
         print(
             f"{name}: identical ids {r['identical_ids']}/{report['sentences']}, "
-            f"identical text {r['identical_text']}/{report['sentences']} ({r['seconds']} s; pytorch {report['reference_seconds']} s)"
+            f"identical text {r['identical_text']}/{report['sentences']} ({r['seconds']} s; {reference} {report['reference_seconds']} s)"
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")

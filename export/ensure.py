@@ -1,14 +1,15 @@
 """Reuse an export when it is intact and comes from the same source, else export again.
 
 Used at app start: the first start exports the embedded model, later starts reuse it as long as
-every checksum in the sidecar matches and the source weights are the ones it was made from.
+every checksum in the sidecar matches, the source weights and generation config are the ones it
+was made from, and the sidecar's format is this version's (an older export is made again).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from backends.manifest import ManifestError, load_manifest, sha256_file
+from backends.manifest import ManifestError, generation_source_file, load_manifest, sha256_file
 
 from .pipeline import ExportOptions, export
 
@@ -35,6 +36,12 @@ def reusable(src: str, out: Path) -> tuple[bool, str]:
             return False, f"{out} was exported from {source.get('path') or source.get('hub_id')}, not {src}"
         if source.get("weights_sha256") != _weights_digest(local):
             return False, f"the weights in {src} changed since {out} was exported"
+        recorded = manifest.data["generation"]["source"]  # the file the decoding defaults came from
+        now = generation_source_file(local)
+        if recorded is not None and (
+            not now.is_file() or now.name != recorded["file"] or sha256_file(now) != recorded["sha256"]
+        ):
+            return False, f"the generation config in {src} ({now.name}) changed since {out} was exported"
     elif source.get("hub_id") != src:
         return False, f"{out} was exported from {source.get('path') or source.get('hub_id')}, not {src}"
     return True, f"reusing {out}: checksums match"

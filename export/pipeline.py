@@ -17,7 +17,15 @@ from pathlib import Path
 
 import onnx
 
-from backends.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, TOKENIZER_FILES, sha256_file
+from backends.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    TOKENIZER_FILES,
+    generation_section,
+    generation_source_file,
+    sha256_file,
+)
 
 from . import fp16, graphs, quantize, rewrite, verify
 from .source import load_source
@@ -119,6 +127,18 @@ def _model_facts(model) -> dict:
     }
 
 
+def _generation(model, source: dict) -> dict:
+    """The sidecar's "generation" section: the model's generation config as the decoding defaults."""
+    c = model.config
+    # The file it came from: its checksum tells export.ensure when the config changed.
+    file = generation_source_file(Path(source["path"])) if source.get("path") else None
+    special = {"pad": c.pad_token_id, "eos": c.eos_token_id, "decoder_start": c.decoder_start_token_id}
+    return generation_section(
+        model.generation_config.to_dict(), special=special, limit=c.max_position_embeddings - 1,
+        vocab_size=c.vocab_size, source_file=file,
+    )
+
+
 def export(src: str, options: ExportOptions, log=print) -> Path:
     out = Path(options.out)
     if out.exists() and not options.force:
@@ -126,6 +146,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     steps = _Steps(8 if options.verify else 7, log)
     model, tokenizer, source = steps.run(f"load {src}", load_source, src)
     config = model.config
+    generation = _generation(model, source)  # refuses unsupported options before any graph is made
     steps.run("probe: trace each graph on a tiny input", graphs.probe, model, config, options.opset)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +217,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 # The decoder start takes position 0, so at most limit - 1 tokens follow it.
                 "max_new_tokens": limit - 1,
             },
+            # The model's generation config: every backend's decoding defaults (backends/manifest.py).
+            "generation": generation,
             "opset": options.opset,
             "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
             "first_step": FIRST_STEP,
