@@ -25,7 +25,7 @@ import gradio as gr
 from backends.memory import limit_arenas
 from corpus import read_sentences
 from service import RequestLimits
-from ui import benchmark_tab, compare_tab, spotcheck_tab
+from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab
 from ui.compare_render import CSS, LABELS
 from ui.state import REPO, Loaded
 
@@ -109,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-seconds", type=float, default=limits.max_seconds, help="time one backend may take on one request"
     )
+    parser.add_argument(
+        "--max-beams", type=int, default=limits.max_beams, help="widest beam search one request may ask for"
+    )
     args = parser.parse_args(argv)
     limit_arenas()  # before gradio's worker threads allocate: see backends/memory.py
     try:
-        limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds)
+        limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds, max_beams=args.max_beams)
     except ValueError as e:
         parser.error(str(e))
     # Our loggers at INFO; third-party ones (httpx, the quantizer's root logging) at WARNING.
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME") or None,
         server_port=int(os.environ.get("GRADIO_SERVER_PORT") or 7860),
-        css=CSS,
+        css=CSS + locate_render.CSS,
         theme=gr.themes.Soft(),
         show_error=True,
     )

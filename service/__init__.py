@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from backends import InputError
 
-from .compare import BackendResult, compare, compare_iter, segments_json, to_json
-from .limits import MAX_REPEAT, RequestLimits, TimeLimitExceeded, plan
+from .compare import BackendResult, compare, compare_iter, decoding_json, segments_json, to_json
+from .limits import MAX_REPEAT, RequestLimits, TimeLimitExceeded, decoding_for, plan
 
 __all__ = [
     "MAX_REPEAT",
@@ -22,6 +22,8 @@ __all__ = [
     "TimeLimitExceeded",
     "compare",
     "compare_iter",
+    "decoding_for",
+    "decoding_json",
     "plan",
     "segments_json",
     "to_json",

@@ -3,10 +3,19 @@
 The app renders what this module returns and the `compare` API endpoint returns it as JSON:
 
     {"reference": "pytorch",
+     "decoding": {"strategy", "num_beams", "requested_num_beams", "length_penalty", "early_stopping",
+                  "no_repeat_ngram_size", "repetition_penalty", "max_new_tokens", "min_new_tokens"},
      "segments": [{"text", "start", "end", "chunked"}],      # how the input was split, in order
      "backends": {NAME: {"text", "tokens", "token_ids", "segments", "timings_ms", "divergence",
                          "error", "warnings", "info", "stop_reason", "non_finite_steps",
                          "repeated_run", "runs"}}}
+
+`decoding` is what every backend ran: the request's `num_beams` (None: the model's own
+generation config from the export's sidecar) with the other options resolved from that config.
+Each backend's `segments[i]` also carries `score` (the sequence score generate() reports),
+`hypotheses` (with beams, the whole final beam, best first: {"text", "token_ids", "score"}) and
+`reference_rank`: where the reference's best hypothesis stands in this backend's beam (0 = its
+best too, None = not in it), a view of how close a diverging backend came.
 
 Input of any length. The text is cleaned (control characters, NUL included, become spaces) and
 split into sentences, a sentence over the model's source limit into chunks (`segment.py`); every
@@ -48,11 +57,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends import BACKEND_NAMES, REFERENCE, Backend, ForcedScores, InputError, Translation
+from backends import BACKEND_NAMES, REFERENCE, Backend, DecodeOptions, ForcedScores, InputError, Translation
 from backends.divergence import divergence, forced_drift
 from backends.timing import median_timings, summarize_runs
 
-from .limits import RequestLimits, batches, check_repeat, plan, timed
+from .limits import BATCH_TOKENS, MAX_BATCH, RequestLimits, batches, check_repeat, decoding_for, plan, timed
 from .messages import non_finite_error, warnings_for
 from .segment import Segment, join_translations
 
@@ -71,8 +80,12 @@ class BackendResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
     divergence: dict[str, Any] | None = None
     segment_divergence: list[dict[str, Any]] = field(default_factory=list)
+    # Per segment: where the reference's best hypothesis ranks in this backend's n-best list (0 =
+    # this backend's best too; None = not among its hypotheses, or this is the reference).
+    reference_ranks: list[int | None] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
+    decoding: dict[str, Any] = field(default_factory=dict)  # the request's decoding, the same for all
 
     @property
     def translation(self) -> Translation | None:
@@ -91,6 +104,9 @@ class BackendResult:
                 "stop_reason": t.stop_reason,
                 "non_finite_steps": t.non_finite_steps,
                 "repeated_run": t.repeated_run,
+                "score": t.score,
+                "hypotheses": [{"text": h.text, "token_ids": h.token_ids, "score": h.score} for h in t.hypotheses],
+                "reference_rank": self.reference_ranks[i] if self.reference_ranks else None,
                 "divergence": self.segment_divergence[i] if self.segment_divergence else None,
             }
             for i, t in enumerate(ts)
@@ -135,6 +151,27 @@ def _run(backend: Backend, segments: list[Segment], groups: list[list[int]], **d
     return translations, timings
 
 
+def _rank(reference_ids: list[int], translation: Translation) -> int | None:
+    """Where `reference_ids` stands in the translation's n-best list (0 = best), None if absent."""
+    ids = [h.token_ids for h in translation.hypotheses] or [translation.token_ids]
+    return ids.index(reference_ids) if reference_ids in ids else None
+
+
+def decoding_json(options: DecodeOptions, requested: int | None) -> dict[str, Any]:
+    """The decoding a request ran, echoed in the JSON: resolved values and where they came from."""
+    return {
+        "strategy": "greedy" if options.num_beams == 1 else "beam search",
+        "num_beams": options.num_beams,
+        "requested_num_beams": requested,  # None: the model's own generation config decided
+        "length_penalty": options.length_penalty,
+        "early_stopping": options.early_stopping,
+        "no_repeat_ngram_size": options.no_repeat_ngram_size,
+        "repetition_penalty": options.repetition_penalty,
+        "max_new_tokens": options.max_new_tokens,
+        "min_new_tokens": options.min_new_tokens,
+    }
+
+
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
     keys = ("identical", "reference_length", "length", "matching", "agreement")
     return {**{k: d[k] for k in keys}, "first_step": d["first"]["step"] if d["first"] else None}
@@ -151,8 +188,13 @@ def compare_iter(
     load_errors: dict[str, str] | None = None,
     teacher_forced: bool = True,
     limits: RequestLimits = RequestLimits(),
+    num_beams: int | None = None,
 ) -> Iterator[BackendResult]:
     """Run each backend alone, in order, and yield its result as soon as it is complete.
+
+    `num_beams` None decodes as the model's own generation config says (the export's sidecar);
+    1 is greedy search. With beams, every backend returns its whole final beam (the n-best list)
+    and each non-reference result says where the reference's best hypothesis ranks in it.
 
     The reference runs first, then the others in `BACKEND_NAMES` order. A backend that raises (or
     failed to load, per `load_errors`) yields a result with `error` set; the others still run.
@@ -165,7 +207,12 @@ def compare_iter(
     known = {n: i for i, n in enumerate(BACKEND_NAMES)}
     names = list(dict.fromkeys([*backends, *load_errors]))  # unknown names keep their given order
     order = sorted(names, key=lambda n: (n != reference, known.get(n, len(known)), names.index(n)))
-    decode = dict(max_new_tokens=max_new_tokens, top_k=top_k)
+    options = decoding_for(backends, segments, num_beams=num_beams, max_new_tokens=max_new_tokens, limits=limits)
+    beams = options.num_beams or 1
+    decoding = decoding_json(options, requested=num_beams)
+    decode = dict(max_new_tokens=options.max_new_tokens, top_k=top_k, num_beams=options.num_beams)
+    if beams > 1:
+        decode["num_return_sequences"] = beams  # the whole final beam: the n-best view
 
     groups: list[list[int]] | None = None
     ref: BackendResult | None = None
@@ -186,12 +233,15 @@ def compare_iter(
 
     for name in order:
         if name in load_errors and name not in backends:
-            yield BackendResult(name, segments=segments, error=f"failed to load: {load_errors[name]}")
+            yield BackendResult(
+                name, segments=segments, error=f"failed to load: {load_errors[name]}", decoding=decoding
+            )
             continue
         backend = timed(backends[name], limits.max_seconds)
-        result = BackendResult(name, info=dict(backend.info), segments=segments)
-        if groups is None:
-            groups = batches([backend.tokenizer.count_tokens(s.text) for s in segments])
+        result = BackendResult(name, info=dict(backend.info), segments=segments, decoding=decoding)
+        if groups is None:  # every beam is a decoder row: a batch holds 1/beams as many sentences
+            lengths = [backend.tokenizer.count_tokens(s.text) for s in segments]
+            groups = batches(lengths, BATCH_TOKENS // beams, max(1, MAX_BATCH // beams))
         try:
             runs = [_run(backend, segments, groups, **decode) for _ in range(repeat)]
         except InputError:
@@ -201,7 +251,7 @@ def compare_iter(
             result.error = _error(e)
             yield result
             continue
-        result.translations = runs[-1][0]  # greedy: every run gives the same tokens
+        result.translations = runs[-1][0]  # deterministic search: every run gives the same tokens
         result.timings_ms = median_timings([timings for _, timings in runs])
         result.runs = summarize_runs([timings["total"] for _, timings in runs])
         result.warnings = warnings_for(result.translations)
@@ -222,9 +272,13 @@ def compare_iter(
                 except Exception as e:
                     logger.exception("forced scoring of %s failed", name)
                     forced = {"error": _error(e)}
+            result.reference_ranks = [
+                _rank(r.token_ids, t) for r, t in zip(ref.translations, result.translations)
+            ]
             same = sum(d["identical"] for d in per_segment)
             result.divergence = {
                 **per_segment[focus],
+                "reference_rank": result.reference_ranks[focus],
                 "teacher_forced": forced,
                 "identical": same == len(per_segment),
                 "segment": focus,
@@ -247,6 +301,7 @@ def to_json(results: Iterable[BackendResult], reference: str = REFERENCE) -> dic
     results = list(results)
     return {
         "reference": reference,
+        "decoding": results[0].decoding if results else {},
         "segments": segments_json(results[0].segments if results else []),
         "backends": {r.name: r.to_json() for r in results},
     }

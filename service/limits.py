@@ -14,7 +14,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from backends import REFERENCE, Backend, InputError
+from backends import REFERENCE, Backend, DecodeOptions, InputError
+from backends.base import MAX_BEAMS
 
 from .segment import Segment, clean, split_text
 
@@ -34,12 +35,23 @@ class RequestLimits:
     # unknown up front: a degenerate decode of 511 tokens on a 512-token chunk takes the
     # single-step graph (everything recomputed per token) many minutes on a small CPU.
     max_seconds: float = 60.0
+    # Beam width one request may ask for: every beam is a decoder row at every step.
+    max_beams: int = 8
+    # Decoder rows x steps one request may cause: beams x segments x the output cap. The default
+    # is what greedy decoding of the largest request (128 segments x 512 tokens) costs, so beam
+    # search never makes a request more expensive than greedy could be; more is refused with
+    # the numbers before any model runs.
+    max_work: int = 65_536
 
     def __post_init__(self):
         if self.max_chars < 1 or self.max_segments < 1 or not self.max_seconds > 0:
             raise ValueError(
                 "max_chars and max_segments must be >= 1 and max_seconds > 0, got "
                 f"{self.max_chars}, {self.max_segments}, {self.max_seconds}"
+            )
+        if not 1 <= self.max_beams <= MAX_BEAMS or self.max_work < 1:
+            raise ValueError(
+                f"max_beams must be in 1..{MAX_BEAMS} and max_work >= 1, got {self.max_beams}, {self.max_work}"
             )
 
 
@@ -68,6 +80,13 @@ class _Timed:
     def step(self, state, decoder_ids):
         self._check()
         return self.inner.step(state, decoder_ids)
+
+    def expand(self, state, n):
+        return self.inner.expand(state, n)
+
+    def reorder(self, state, beam_idx):
+        self._check()
+        return self.inner.reorder(state, beam_idx)
 
 
 def timed(backend: Backend, seconds: float) -> Backend:
@@ -137,3 +156,45 @@ def check_repeat(repeat: Any) -> int:
     if not isinstance(repeat, int) or isinstance(repeat, bool) or not 1 <= repeat <= MAX_REPEAT:
         raise ValueError(f"repeat must be an integer in 1..{MAX_REPEAT}, got {repeat!r}")
     return repeat
+
+
+def decoding_for(
+    backends: dict[str, Backend],
+    segments: list[Segment],
+    *,
+    num_beams: int | None,
+    max_new_tokens: int | None,
+    limits: RequestLimits = RequestLimits(),
+) -> DecodeOptions:
+    """The decoding this request runs, validated once: the model's own generation config (the
+    export's sidecar) where the request leaves an option unset. Beams over `limits.max_beams` and
+    work over `limits.max_work` (beams x segments x output cap) raise InputError with the numbers."""
+    if isinstance(num_beams, float) and num_beams.is_integer():
+        num_beams = int(num_beams)  # number widgets send floats
+    if num_beams is not None and (isinstance(num_beams, bool) or not isinstance(num_beams, int)
+                                  or not 1 <= num_beams <= limits.max_beams):
+        raise InputError(f"num_beams must be an integer in 1..{limits.max_beams} (1: greedy search), got {num_beams!r}")
+    backend = backends.get(REFERENCE) or next(iter(backends.values()), None)
+    if backend is None:
+        return DecodeOptions(max_new_tokens=max_new_tokens, num_beams=num_beams)
+    manifest = backend.manifest
+    try:
+        options = DecodeOptions(max_new_tokens=max_new_tokens, num_beams=num_beams).resolved(
+            manifest.max_new_tokens, manifest.generation
+        )
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    if options.num_beams > limits.max_beams:  # the model's own default can be wider than the app allows
+        raise InputError(
+            f"the model decodes with {options.num_beams} beams; this app allows at most {limits.max_beams}: "
+            "choose fewer beams"
+        )
+    work = options.num_beams * len(segments) * options.max_new_tokens
+    if work > limits.max_work:
+        raise InputError(
+            f"{options.num_beams} beams x {len(segments)} segments x {options.max_new_tokens} tokens = {work:,} "
+            f"decoder rows x steps; one request may cause at most {limits.max_work:,}: "
+            "translate it in parts, or with fewer beams"
+        )
+    return options
+

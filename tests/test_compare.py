@@ -100,6 +100,12 @@ class _SwapAtStep:
                 row[a], row[b] = row[b], row[a]
         return logits
 
+    def expand(self, state, n):  # beam search: the engine's own
+        return self.inner.expand(state, n)
+
+    def reorder(self, state, beam_idx):
+        return self.inner.reorder(state, beam_idx)
+
 
 def _wrap(backend: Backend, name: str, model) -> Backend:
     return Backend(name, model, backend.tokenizer, backend.manifest, dict(backend.info))
@@ -165,17 +171,25 @@ def test_json_shape(tiny_backends):
 
 # The `compare` API's JSON contract, key for key: a change here is a change for every API user.
 CONTRACT = {
-    "top": {"backends", "reference", "segments"},
+    "top": {"backends", "decoding", "reference", "segments"},
+    "decoding": {
+        "early_stopping", "length_penalty", "max_new_tokens", "min_new_tokens", "no_repeat_ngram_size", "num_beams",
+        "repetition_penalty", "requested_num_beams", "strategy",
+    },
     "split": {"chunked", "end", "start", "text"},
     "backend": {
         "divergence", "error", "info", "non_finite_steps", "repeated_run", "runs", "segments", "stop_reason",
         "text", "timings_ms", "token_ids", "tokens", "warnings",
     },
-    "segment": {"divergence", "non_finite_steps", "repeated_run", "stop_reason", "text", "token_ids", "tokens"},
+    "segment": {
+        "divergence", "hypotheses", "non_finite_steps", "reference_rank", "repeated_run", "score", "stop_reason", "text",
+        "token_ids", "tokens",
+    },
+    "hypothesis": {"score", "text", "token_ids"},
     "segment_divergence": {"agreement", "first_step", "identical", "length", "matching", "reference_length"},
     "divergence": {
-        "agreement", "alignment", "first", "identical", "length", "matching", "reference_length", "segment",
-        "segments", "segments_identical", "teacher_forced",
+        "agreement", "alignment", "first", "identical", "length", "matching", "reference_length", "reference_rank",
+        "segment", "segments", "segments_identical", "teacher_forced",
     },
     "alignment": {"op", "ref", "ref_id", "ref_step", "step", "token", "token_id"},
     "first": {"step", "reference", "backend"},
@@ -196,14 +210,16 @@ def test_json_contract_is_pinned(tiny_backends):
     flipped = dict(tiny_backends)
     kv = tiny_backends["ort_fp32_kv_cache"]
     flipped["ort_int8"] = _wrap(kv, "ort_int8", _SwapAtStep(kv.model, step=1))
-    out = compare(flipped, "Click OK. Then close the window.", max_new_tokens=4)
-    assert set(out) == CONTRACT["top"]
+    out = compare(flipped, "Click OK. Then close the window.", max_new_tokens=4, num_beams=2)
+    assert set(out) == CONTRACT["top"] and set(out["decoding"]) == CONTRACT["decoding"]
+    assert out["decoding"]["num_beams"] == 2 and out["decoding"]["requested_num_beams"] == 2
     assert all(set(s) == CONTRACT["split"] for s in out["segments"]) and len(out["segments"]) == 2
     for name, b in out["backends"].items():
         assert set(b) == CONTRACT["backend"], name
         assert set(b["runs"]) == CONTRACT["runs"] and set(b["timings_ms"]) == CONTRACT["timings_ms"]
         for seg in b["segments"]:
-            assert set(seg) == CONTRACT["segment"]
+            assert set(seg) == CONTRACT["segment"] and len(seg["hypotheses"]) == 2
+            assert all(set(h) == CONTRACT["hypothesis"] for h in seg["hypotheses"])
             if name != "pytorch":
                 assert set(seg["divergence"]) == CONTRACT["segment_divergence"]
     d = out["backends"]["ort_int8"]["divergence"]
@@ -388,3 +404,40 @@ def test_compare_does_not_import_torch():
 
     code = "import sys, service, backends.divergence; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
+
+
+# --- decoding options through the request layer ------------------------------------------------
+
+
+@pytest.mark.parametrize("beams", [0, 9, 2.5, "4", True])
+def test_beam_count_outside_the_app_limit_is_refused_before_any_model_call(tiny_backends, beams):
+    with pytest.raises(InputError, match=r"num_beams must be an integer in 1\.\.8"):
+        compare(tiny_backends, SENTENCE, num_beams=beams, max_new_tokens=4)
+
+
+def test_work_over_the_limit_is_refused_with_its_numbers(tiny_backends):
+    from service import RequestLimits
+
+    text = " ".join(dev_sentences(6))  # six sentences: six segments
+    with pytest.raises(InputError, match=r"4 beams x 6 segments x 20 tokens = 480 .* at most 400"):
+        compare(tiny_backends, text, num_beams=4, max_new_tokens=20, limits=RequestLimits(max_work=400))
+    out = compare(tiny_backends, text, num_beams=1, max_new_tokens=20, limits=RequestLimits(max_work=400))
+    assert out["decoding"]["strategy"] == "greedy" and len(out["segments"]) == 6
+
+
+def test_default_decoding_is_the_models_own_and_is_echoed(tiny_backends):
+    own = tiny_backends["pytorch"].manifest.generation.num_beams
+    out = compare(tiny_backends, SENTENCE, max_new_tokens=4, teacher_forced=False)
+    assert out["decoding"]["requested_num_beams"] is None and out["decoding"]["num_beams"] == own
+
+
+def test_beam_results_carry_the_nbest_and_the_reference_rank(tiny_backends):
+    out = compare(tiny_backends, SENTENCE, num_beams=3, max_new_tokens=6, teacher_forced=False)
+    ref = out["backends"]["pytorch"]["segments"][0]
+    assert len(ref["hypotheses"]) == 3 and ref["hypotheses"][0]["token_ids"] == ref["token_ids"]
+    scores = [h["score"] for h in ref["hypotheses"]]
+    assert scores == sorted(scores, reverse=True) and ref["score"] == pytest.approx(scores[0])
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):  # fp32: the same beam, so rank 0
+        seg = out["backends"][name]["segments"][0]
+        assert seg["token_ids"] == ref["token_ids"] and seg["reference_rank"] == 0
+        assert [h["token_ids"] for h in seg["hypotheses"]] == [h["token_ids"] for h in ref["hypotheses"]]

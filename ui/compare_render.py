@@ -7,10 +7,10 @@ No gradio here and no model: each function takes the JSON the `compare` API retu
 from __future__ import annotations
 
 import html
-import math
 from typing import Any
 
 from backends import REFERENCE
+from service.fmt import ms, prob
 
 LABELS = {
     "pytorch": "PyTorch (reference)",
@@ -58,22 +58,17 @@ table.segments td.num { color: var(--body-text-color-subdued); text-align: right
 .tokcol.first { outline: 2px solid #d62728; outline-offset: 1px; }
 table.first-div { border-collapse: collapse; font-size: 0.85em; margin-top: 4px; }
 table.first-div th, table.first-div td { border: 1px solid var(--border-color-primary); padding: 2px 8px; }
+details.nbest { margin-top: 3px; font-size: 0.85em; }
+table.nbest { border-collapse: collapse; width: 100%; }
+table.nbest td, table.nbest th { text-align: left !important; padding: 1px 4px !important; }
+table.nbest td.hyp { font-weight: 400; white-space: normal; }
+table.nbest tr.ref-best td { background: #ffe9cc; color: #000; }
 .legend span { padding: 0 5px; border-radius: 3px; margin-right: 6px; font-size: 0.85em; color: #000; }
 """
 
 
 def _e(x: Any) -> str:
     return html.escape(str(x))
-
-
-def _ms(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
-
-
-def _p(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}" if x >= 0.01 else f"{x:.2e}"
 
 
 def _piece(token: str | None) -> str:
@@ -114,19 +109,72 @@ def panel_html(name: str, result: dict | None, state: str, info: dict | None) ->
     n_seg = len(result.get("segments") or [])
     verdict += f" · {len(result['token_ids'])} tokens" + (f" in {n_seg} segments" if n_seg > 1 else "")
     if runs.get("n", 1) > 1:
-        verdict += f" · median of {runs['n'] - 1} warm runs (run 1, cold: {_ms(runs['cold_ms'])} ms)"
+        verdict += f" · median of {runs['n'] - 1} warm runs (run 1, cold: {ms(runs['cold_ms'])} ms)"
     keys = [
         ("tokenize", "tokenize"), ("encode", "encode"), ("first_token", "first token"),
         ("per_token", "per token"), ("total", "total"),
     ]  # fmt: skip
     head = "".join(f"<th>{label}</th>" for _, label in keys)
-    cells = "".join(f"<td class='num'>{_ms(t.get(k))}</td>" for k, _ in keys)
+    cells = "".join(f"<td class='num'>{ms(t.get(k))}</td>" for k, _ in keys)
     # Degenerate output (a repeated token, no eos before the cap) is shown, not hidden in the JSON.
     warn = "".join(f"<div class='state-warn'>⚠ {_e(w)}</div>" for w in result.get("warnings") or [])
     return (
         f"<div class='stats'><div>{verdict}</div>{warn}"
-        f"<table><tr>{head}<th></th></tr><tr>{cells}<td>ms</td></tr></table>{foot}</div>"
+        f"<table><tr>{head}<th></th></tr><tr>{cells}<td>ms</td></tr></table>{nbest_html(name, result)}{foot}</div>"
     )
+
+
+def nbest_html(name: str, result: dict) -> str:
+    """A beam's final hypotheses with their scores, and where PyTorch's best one ranks among them.
+
+    Shown for the segment the divergence view details (segment 0 when every segment agrees)."""
+    segs = result.get("segments") or []
+    if not segs:
+        return ""
+    focus = (result.get("divergence") or {}).get("segment", 0) or 0
+    seg = segs[min(focus, len(segs) - 1)]
+    hyps = seg.get("hypotheses") or []
+    if len(hyps) < 2:
+        return ""
+    rank = seg.get("reference_rank")
+    if name == REFERENCE:
+        where = ""
+    elif rank is None:
+        where = "<span class='state-err'>PyTorch's best hypothesis is not in this beam</span>"
+    elif rank == 0:
+        where = "<span class='state-ok'>PyTorch's best is this beam's best too</span>"
+    else:
+        where = f"<span class='state-err'>PyTorch's best ranks #{rank + 1} here</span>"
+    seg_note = f" (segment {focus + 1})" if len(segs) > 1 else ""
+    rows = "".join(
+        f"<tr class='{'ref-best' if i == rank and name != REFERENCE else ''}'><td>#{i + 1}</td>"
+        f"<td class='num'>{h['score']:.4f}</td><td class='hyp'>{_e(h['text'])}</td></tr>"
+        for i, h in enumerate(hyps)
+    )
+    return (
+        f"<details class='nbest'><summary>{len(hyps)}-best{seg_note} {where}</summary>"
+        f"<table class='nbest'><tr><th>rank</th><th>score</th><th>hypothesis</th></tr>{rows}</table></details>"
+    )
+
+
+def decoding_md(decoding: dict) -> str:
+    """One line naming the decoding a request ran, and whether the model's own config chose it."""
+    if not decoding:
+        return ""
+    source = "the model's own generation config" if decoding.get("requested_num_beams") is None else "chosen"
+    if decoding["num_beams"] == 1:
+        what = "greedy search"
+    else:
+        what = (
+            f"beam search, {decoding['num_beams']} beams, length penalty {decoding['length_penalty']:g}, "
+            f"early stopping {decoding['early_stopping']}"
+        )
+    extra = []
+    if decoding.get("no_repeat_ngram_size"):
+        extra.append(f"no repeated {decoding['no_repeat_ngram_size']}-grams")
+    if decoding.get("repetition_penalty", 1.0) != 1.0:
+        extra.append(f"repetition penalty {decoding['repetition_penalty']:g}")
+    return f"Decoding: {what}{'; ' + ', '.join(extra) if extra else ''} ({source})."
 
 
 def _first_table(first: dict) -> str:
@@ -141,11 +189,11 @@ def _first_table(first: dict) -> str:
     return (
         f"<table class='first-div'><tr><th>step {first['step']}</th><th>PyTorch</th><th>this backend</th></tr>"
         + row("chosen token", "token", tok)
-        + row("its probability", "prob", _p)
+        + row("its probability", "prob", prob)
         + row("runner-up", "runner_up", tok)
-        + row("runner-up probability", "runner_up_prob", _p)
+        + row("runner-up probability", "runner_up_prob", prob)
         + row("top-1 − top-2 margin (logit)", "margin_logprob", lambda x: "–" if x is None else f"{x:.4f}")
-        + row("p(the other backend's token)", "other_token_prob", lambda x: "not in top-5" if x is None else _p(x))
+        + row("p(the other backend's token)", "other_token_prob", lambda x: "not in top-5" if x is None else prob(x))
         + "</table>"
     )
 
@@ -286,13 +334,13 @@ def latency_rows(out: dict) -> list[list[Any]]:
                 LABELS.get(name, name),
                 f"{b['info'].get('precision', '')} · {_short_provider(str(b['info'].get('provider', '')))}",
                 len(b["token_ids"]),
-                _ms(t["tokenize"]),
-                _ms(t["encode"]),
-                _ms(t["first_token"]),
-                _ms(t["per_token"]),
-                _ms(t["total"]),
-                _ms(runs["cold_ms"]),
-                f"{_ms(runs['min_ms'])}–{_ms(runs['max_ms'])}" if runs["n"] > 1 else "1 run",
+                ms(t["tokenize"]),
+                ms(t["encode"]),
+                ms(t["first_token"]),
+                ms(t["per_token"]),
+                ms(t["total"]),
+                ms(runs["cold_ms"]),
+                f"{ms(runs['min_ms'])}–{ms(runs['max_ms'])}" if runs["n"] > 1 else "1 run",
                 f"{ref_total / t['total']:.2f}×" if ref_total and t["total"] else "",
             ]
         )
@@ -323,7 +371,7 @@ def latency_figure(out: dict):
             # the label goes right of the bar, its warm-run whisker and its cold-run marker
             r = b["runs"]
             end = max(v, r["max_ms"], r["cold_ms"]) if key == "total" and r["n"] > 1 else v
-            ax.text(end, yi, f"  {_ms(v)}", va="center", fontsize=8)
+            ax.text(end, yi, f"  {ms(v)}", va="center", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.set_yticks(y, labels if ax is ax_total else [""] * len(y), fontsize=8)
         ax.invert_yaxis()

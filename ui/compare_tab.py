@@ -13,11 +13,13 @@ import gradio as gr
 
 from backends import REFERENCE
 from backends.memory import trim_heap
-from service import MAX_REPEAT, InputError, compare_iter, plan, segments_json, to_json
+from service import MAX_REPEAT, InputError, compare_iter, decoding_for, decoding_json, plan, segments_json, to_json
+from service.locate import locate_for_ui
 
 from .compare_render import (
     LABELS,
     LATENCY_HEADERS,
+    decoding_md,
     divergence_html,
     forced_figure,
     latency_figure,
@@ -25,6 +27,7 @@ from .compare_render import (
     panel_html,
     segments_html,
 )
+from .locate_render import locate_figure, locate_html
 from .state import Loaded
 
 BOUNDARY_EXAMPLES = [
@@ -41,6 +44,15 @@ BOUNDARY_EXAMPLES = [
     ("emoji", "I love this song 🎵😊 and I want to hear it again 🔁!"),
     ("empty input", ""),
 ]
+
+
+def decoding_choices(loaded: Loaded) -> list[tuple[str, int]]:
+    """(label, num_beams) pairs; 0 stands for the model's own generation config."""
+    backend = next(iter(loaded.backends.values()), None)
+    own = backend.manifest.generation.num_beams if backend is not None else 1
+    default = f"model default ({'greedy' if own == 1 else f'beam {own}'})"
+    beams = [(f"beam {n}", n) for n in range(2, loaded.limits.max_beams + 1)]
+    return [(default, 0), ("greedy", 1), *beams]
 
 
 def build(loaded: Loaded) -> None:
@@ -71,6 +83,10 @@ def build(loaded: Loaded) -> None:
             with gr.Column(scale=1, min_width=240):
                 go = gr.Button("Translate", variant="primary", elem_id="translate-btn")
                 repeat = gr.Slider(1, MAX_REPEAT, value=1, step=1, label="runs per backend", elem_id="repeat")
+                decoding = gr.Dropdown(
+                    decoding_choices(loaded), value=0, label="decoding", elem_id="decoding",
+                    info="the model's own generation config, greedy, or beam search with N beams",
+                )
         with gr.Row():
             if loaded.examples:
                 gr.Examples(
@@ -110,6 +126,19 @@ def build(loaded: Loaded) -> None:
             "Drift shows here even when the translations agree."
         )
         forced_plot = gr.Plot(show_label=False, elem_id="forced-plot", format="png")
+        gr.Markdown(
+            "#### Locate: which module drifted\nFor a backend that diverges, compare PyTorch's activations with the "
+            "same values inside that backend's ONNX graphs, module by module, at the first diverging step (or, "
+            "when the outputs agree, the step with the largest |Δlogit|)."
+        )
+        with gr.Row():
+            loc_backend = gr.Dropdown(
+                [(LABELS.get(n, n), n) for n in names if n != REFERENCE and n in loaded.backends],
+                value=None, label="backend (default: the first that diverges)", elem_id="locate-backend", scale=3,
+            )
+            loc_go = gr.Button("Locate", elem_id="locate-btn", scale=1)
+        loc_plot = gr.Plot(show_label=False, elem_id="locate-plot", format="png")
+        loc_html = gr.HTML("", elem_id="locate-report")
         gr.Markdown("### Latency")
         lat_table = gr.Dataframe(
             headers=LATENCY_HEADERS,
@@ -128,9 +157,9 @@ def build(loaded: Loaded) -> None:
         div_html, forced_plot, lat_table, lat_plot, raw,
     ]  # fmt: skip
 
-    def frame(msg: str, results: dict, running: str | None, segments: list[dict]):
+    def frame(msg: str, results: dict, running: str | None, segments: list[dict], used: dict):
         """Every output's value for the results so far; `running` is the backend now busy."""
-        out = {"reference": REFERENCE, "segments": segments, "backends": results}
+        out = {"reference": REFERENCE, "decoding": used, "segments": segments, "backends": results}
         texts = [(results[n]["text"] or "") if n in results else "" for n in names]
         stats = []
         for n in names:
@@ -154,22 +183,30 @@ def build(loaded: Loaded) -> None:
             out,
         )
 
-    def translate_ui(text_in: str, n_repeat: float):
+    def translate_ui(text_in: str, n_repeat: float, beams: int | None):
+        beams = int(beams) or None if beams is not None else None  # 0: the model's own config
         try:
-            # Empty or too long an input is refused here, before any model call; the split is
-            # shown from the first frame on.
-            segments = segments_json(plan(loaded.backends, text_in, loaded.limits))
+            # Empty or too long an input, or too much work for the beams, is refused here, before
+            # any model call; the split and the decoding are shown from the first frame on.
+            split_segments = plan(loaded.backends, text_in, loaded.limits)
+            options = decoding_for(
+                loaded.backends, split_segments, num_beams=beams, max_new_tokens=loaded.max_new_tokens,
+                limits=loaded.limits,
+            )
+            used = decoding_json(options, beams) if loaded.backends else {}
+            segments = segments_json(split_segments)
             split = f"Split into {len(segments)} segments. " if len(segments) > 1 else ""
+            split = f"{decoding_md(used)} {split}"
             results: dict[str, dict] = {}
             order = [n for n in names if n not in loaded.load_errors]
             first = order[0] if order else None
             msg = f"{split}Running {LABELS.get(first, first)}…" if first else split
-            yield frame(msg, results, first, segments)
-            for r in compare_iter(loaded.backends, text_in, repeat=int(n_repeat), **opts):
+            yield frame(msg, results, first, segments, used)
+            for r in compare_iter(loaded.backends, text_in, repeat=int(n_repeat), num_beams=beams, **opts):
                 results[r.name] = r.to_json()
                 nxt = next((n for n in order if n not in results), None)
                 msg = f"{split}{len(results)}/{len(names)} done; running {LABELS.get(nxt, nxt)}…"
-                yield frame(msg, results, nxt, segments)
+                yield frame(msg, results, nxt, segments, used)
         except InputError as e:
             yield (f"⚠️ **{e}**", *[""] * len(names), *initial_panels(), "", "", None, None, None, None)
             return
@@ -177,16 +214,19 @@ def build(loaded: Loaded) -> None:
             trim_heap()  # one long request must not leave the process at its high-water mark
         n_ok = sum(1 for b in results.values() if not b.get("error"))
         runs = f", {int(n_repeat)} runs each" if n_repeat > 1 else ""
-        yield frame(f"{split}Done: {n_ok}/{len(names)} backends translated{runs}.", results, None, segments)
+        yield frame(f"{split}Done: {n_ok}/{len(names)} backends translated{runs}.", results, None, segments, used)
 
-    def compare_api(text: str, repeat: int = 1) -> Iterator[dict]:
+    def compare_api(text: str, repeat: int = 1, num_beams: int | None = None) -> Iterator[dict]:
         """Translate `text` with every backend, one at a time; returns translations, tokens,
-        timings and divergence from PyTorch as {"reference", "segments", "backends": {name: {...}}}.
-        Text of several sentences is split into segments, translated as a batch and joined.
-        Streams: one update per finished backend, the last one complete."""
+        timings and divergence from PyTorch as {"reference", "decoding", "segments", "backends":
+        {name: {...}}}. `num_beams`: None decodes as the model's own generation config says, 1 is
+        greedy, 2..8 beam search (each backend then returns its n-best list with scores, and where
+        PyTorch's best hypothesis ranks in it). Text of several sentences is split into segments,
+        translated as a batch and joined. Streams: one update per finished backend, the last one
+        complete."""
         try:
             results = []
-            for r in compare_iter(loaded.backends, text, repeat=repeat, **opts):
+            for r in compare_iter(loaded.backends, text, repeat=repeat, num_beams=num_beams, **opts):
                 results.append(r)
                 yield to_json(results, REFERENCE)
         except (InputError, ValueError) as e:
@@ -194,10 +234,37 @@ def build(loaded: Loaded) -> None:
         finally:
             trim_heap()
 
+    def locate_ui(out: dict | None, name: str | None):
+        """The per-module drift report for one backend on the segment its divergence view details."""
+        if not out or not out.get("backends") or REFERENCE not in out["backends"]:
+            return None, "<div class='state-wait'>Translate something first: locate explains a comparison.</div>"
+        results = out["backends"]
+        compared = [n for n, b in results.items() if n != REFERENCE and (b.get("divergence") or {}).get("alignment")]
+        if not name:
+            name = next((n for n in compared if not results[n]["divergence"]["identical"]), None)
+            name = name or (compared[0] if compared else None)
+        if name not in compared:
+            why = results.get(name, {}).get("error") or "it has no comparison with PyTorch in this result"
+            return None, f"<div class='state-err'>cannot locate {LABELS.get(name, name)}: {why}</div>"
+        seg = results[name]["divergence"].get("segment", 0)
+        try:
+            report = locate_for_ui(
+                loaded.backends, name, out["segments"][seg]["text"],
+                results[REFERENCE]["segments"][seg]["token_ids"], results[name]["segments"][seg]["token_ids"],
+            )
+        finally:
+            trim_heap()
+        return locate_figure(report), locate_html(report)
+
+    loc_go.click(
+        locate_ui, inputs=[raw, loc_backend], outputs=[loc_plot, loc_html], concurrency_limit=1,
+        concurrency_id="model", api_visibility="private", show_progress="minimal",
+    )
+
     # One model run at a time across the page and the API: both share the "model" slot.
     events = dict(
         fn=translate_ui,
-        inputs=[text, repeat],
+        inputs=[text, repeat, decoding],
         outputs=outputs,
         concurrency_limit=1,
         concurrency_id="model",
