@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .base import Backend, DecodeOptions, ForcedScores, StepScore, Translation
-from .manifest import Manifest, ManifestError, load_manifest
+from .base import MAX_BEAMS, Backend, DecodeOptions, ForcedScores, Hypothesis, StepScore, Translation
+from .manifest import GenerationDefaults, Manifest, ManifestError, UnsupportedGeneration, load_manifest
 from .ort_session import SessionConfig
 from .shared_tables import SharedTables
 from .tokenizer import InputError, MarianTokenizerWrapper
@@ -104,12 +104,16 @@ __all__ = [
     "Backend",
     "DecodeOptions",
     "ForcedScores",
+    "GenerationDefaults",
+    "Hypothesis",
     "InputError",
+    "MAX_BEAMS",
     "Manifest",
     "ManifestError",
     "SessionConfig",
     "StepScore",
     "Translation",
+    "UnsupportedGeneration",
     "load_backends",
     "load_manifest",
     "try_load_backends",
