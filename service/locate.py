@@ -55,9 +55,6 @@ PyTorch model. The ORT backends are untouched; the sessions here are built with 
 
 from __future__ import annotations
 
-import ast
-import math
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -69,11 +66,31 @@ import numpy as np
 from backends import REFERENCE, Backend, InputError, ManifestError, SessionConfig, load_backends
 from backends.divergence import first_divergence, forced_drift
 
-TOLERANCE = 1e-4  # fp32: max |Δ| per module, as the export's logits check
-JUMP_FACTOR = 4.0  # fp16 / int8: relative error over this many times the worst before it
+from .locate_graph import (  # noqa: F401  (LocateError, map_graph ... are this module's API too)
+    _FLOATS,
+    _ORT_FP32_PREFIX,
+    _OVER_SOURCE,
+    GraphMap,
+    LocateError,
+    _node_scope,
+    hf_module,
+    map_graph,
+    module_order,
+    op_types_since,
+    with_outputs,
+)
+from .locate_numbers import (  # noqa: F401  (the tolerances are this module's API too)
+    JUMP_FACTOR,
+    PRECISION_FLOOR,
+    TOLERANCE,
+    _at_step,
+    apply_tolerance,
+    compare_values,
+    torch_activations,
+)
+
 # The least relative error a reduced-precision module shows anyway: fp16's unit roundoff; int8's
 # step for a per-channel symmetric weight scale (max |w| / 127).
-PRECISION_FLOOR = {"fp16": 2.0**-11, "int8": 1.0 / 127}
 
 # The graphs each ORT backend runs, encoder first (manifest graph names).
 GRAPHS = {
@@ -82,314 +99,6 @@ GRAPHS = {
     "ort_fp16": ("encoder_fp16", "decoder_fp16"),
     "ort_int8": ("encoder_int8", "decoder_int8"),
 }
-
-ENCODER_PARTS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
-    "fc1", "activation_fn", "fc2", "final_layer_norm",
-)
-DECODER_PARTS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
-    "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj", "encoder_attn", "encoder_attn_layer_norm",
-    "fc1", "activation_fn", "fc2", "final_layer_norm",
-)
-# Decoder modules computed over the source (cross-attention keys and values): compared at every
-# source position; every other decoder module at the chosen step's position only.
-_OVER_SOURCE = re.compile(r"^decoder\.layers\.\d+\.encoder_attn\.[kv]_proj$")
-
-# Scopes of our own wrappers (export/wrappers.py) -> HF paths below MarianMTModel.model.
-_WRAPPER_SCOPES = {
-    "export.wrappers.EncoderWithCrossKV": (
-        (r"^layers\.", "encoder.layers."),
-        (r"^cross_attn\.(\d+)(?=\.|$)", r"decoder.layers.\1.encoder_attn"),
-        (r"^embed_tokens$", "encoder.embed_tokens"),
-    ),
-    "export.wrappers.DecoderStepWithCache": (
-        (r"^layers\.", "decoder.layers."),
-        (r"^embed_tokens$", "decoder.embed_tokens"),
-        (r"^lm_head$", "lm_head"),
-    ),
-}
-# Anything else (HF's own forward, other exporters' wrappers): the HF path inside the scope.
-_HF_PATH = re.compile(r"(?:^|\.)((?:encoder|decoder)\.(?:layers\.\d+(?:\.\w+)*|embed_tokens)|lm_head)$")
-
-_FLOATS = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
-_PLUMBING = {7, 9}  # int64, bool: shape arithmetic and masks, not the numbers we compare
-
-
-class LocateError(ValueError):
-    """The input, the backend or the graph does not allow a per-module comparison; says why."""
-
-
-def module_order(encoder_layers: int, decoder_layers: int) -> list[str]:
-    """Every module the report compares, in execution order."""
-    enc = [f"encoder.layers.{i}.{p}" for i in range(encoder_layers) for p in ENCODER_PARTS]
-    dec = [f"decoder.layers.{i}.{p}" for i in range(decoder_layers) for p in DECODER_PARTS]
-    return ["encoder.embed_tokens", *enc, "decoder.embed_tokens", *dec, "lm_head"]
-
-
-# --- graph side: which value is which module's output ---------------------------------------------
-
-
-def _node_scope(node) -> tuple[str | None, str | None]:
-    """(root class, deepest module scope) recorded for one node; (None, None) when nothing is."""
-    meta = {p.key: p.value for p in node.metadata_props}
-    scopes = meta.get("pkg.torch.onnx.name_scopes")
-    if scopes:
-        try:
-            names = ast.literal_eval(scopes)
-            classes = ast.literal_eval(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
-        except (ValueError, SyntaxError):
-            names, classes = None, []
-        if isinstance(names, list) and names:
-            modules = [n for n in names[:-1] if n]  # the last entry is the operator, "" the root
-            return (classes[0] if classes else None), (modules[-1] if modules else "")
-    namespace = meta.get("namespace")
-    if namespace:  # ": root.Class/scope: module.Class/.../op: aten.op"
-        parts = [p.split(": ", 1) for p in namespace.split("/")]
-        root = parts[0][1] if len(parts[0]) == 2 else None
-        modules = [p[0] for p in parts[1:-1] if p[0]]
-        return root, (modules[-1] if modules else "")
-    if node.name.startswith("/") and node.name.count("/") >= 2:  # TorchScript: /model/decoder/layers.0/fc1/MatMul
-        return "torchscript", ".".join(node.name.split("/")[1:-1])
-    return None, None
-
-
-def hf_module(root: str | None, scope: str | None) -> str | None:
-    """A recorded scope as an HF module path; "" for code outside every reported module, None
-    when the node carries no scope at all."""
-    if scope is None:
-        return None
-    for pattern, replacement in _WRAPPER_SCOPES.get(root or "", ()):
-        if re.match(pattern, scope):
-            return re.sub(pattern, replacement, scope, count=1)
-    match = _HF_PATH.search(scope)
-    return match.group(1) if match else ""
-
-
-def _within(module: str | None, parent: str) -> bool:
-    return module is not None and (module == parent or module.startswith(parent + "."))
-
-
-@dataclass
-class GraphMap:
-    """Where each module's output lives in one graph, and what was computed to get there."""
-
-    file: str
-    values: dict[str, str] = field(default_factory=dict)  # module -> value name
-    op_types: dict[str, list[str]] = field(default_factory=dict)
-    types: dict[str, int] = field(default_factory=dict)  # value name -> ONNX elem type
-
-
-def _value_types(model) -> dict[str, int]:
-    import onnx
-
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    types = {}
-    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        if vi.type.HasField("tensor_type"):
-            types[vi.name] = vi.type.tensor_type.elem_type
-    for init in inferred.graph.initializer:
-        types[init.name] = init.data_type
-    return types
-
-
-def map_graph(model, modules: list[str], file: str = "") -> GraphMap:
-    """Find each of `modules`' output value in an ONNX graph (an `onnx.ModelProto`).
-
-    Raises LocateError when the graph records no module scopes at all."""
-    graph = model.graph
-    nodes = list(graph.node)
-    mods = [hf_module(*_node_scope(n)) for n in nodes]
-    if all(m is None for m in mods):
-        raise LocateError(
-            f"cannot map {file or 'this graph'} to the model's modules: none of its {len(nodes)} nodes records the "
-            "module it came from (no `namespace` / `pkg.torch.onnx.name_scopes` metadata from torch.onnx.export("
-            "dynamo=True), no scoped TorchScript node names); re-export it with `python -m export` to locate drift"
-        )
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for name in n.input:
-            readers.setdefault(name, []).append(i)
-    outputs = {o.name for o in graph.output}
-    # Nodes without metadata (the fp16 converter's casts) belong to their readers' module if
-    # those agree; walk readers-first.
-    for i in reversed(range(len(nodes))):
-        if mods[i] is None and not any(o in outputs for o in nodes[i].output):
-            users = {mods[r] for o in nodes[i].output for r in readers.get(o, [])}
-            if len(users) == 1 and None not in users:
-                mods[i] = users.pop()
-
-    types = _value_types(model)
-    result = GraphMap(file=file, types=types)
-    for module in modules:
-        candidates = []
-        for i, n in enumerate(nodes):
-            if not _within(mods[i], module):
-                continue
-            for name in n.output:
-                if not name or types.get(name) not in _FLOATS:
-                    continue
-                if name in outputs or any(not _within(mods[r], module) for r in readers.get(name, [])):
-                    candidates.append((i, name))
-        if candidates:
-            value = max(candidates)[1]  # the last one produced: the module's output
-            # Only a reported part of it here (the encoder graph computes the decoder's
-            # cross-attention keys and values, not the attention): not this module's output.
-            if not any(result.values.get(m) == value for m in modules if m.startswith(module + ".")):
-                result.values[module] = value
-
-    result.op_types = op_types_since(nodes, result.values, modules, types)
-    return result
-
-
-def op_types_since(nodes, values: dict[str, str], modules: list[str], types: dict[str, int]) -> dict[str, list[str]]:
-    """Per module, the op types computed since the modules before it: the nodes its output
-    depends on that no earlier module's output depends on (shape arithmetic left out)."""
-    producer = {name: i for i, n in enumerate(nodes) for name in n.output}
-
-    def ancestors(value: str) -> set[int]:
-        seen, stack = set(), [value]
-        while stack:
-            i = producer.get(stack.pop())
-            if i is not None and i not in seen:
-                seen.add(i)
-                stack.extend(nodes[i].input)
-        return seen
-
-    counted: set[int] = set()
-    result = {}
-    for module in modules:
-        if module not in values:
-            continue
-        mine = ancestors(values[module])
-        fresh = sorted(mine - counted)
-        counted |= mine
-        ops = []
-        for i in fresh:
-            n = nodes[i]
-            plumbing = n.op_type in ("Constant", "Shape") or all(types.get(o) in _PLUMBING for o in n.output)
-            if not plumbing and n.op_type not in ops:
-                ops.append(n.op_type)
-        result[module] = ops
-    return result
-
-
-def with_outputs(model, outputs: dict[str, int], folder: Path, name: str) -> Path:
-    """Save a copy of `model` with `outputs` (value name -> ONNX elem type) added as graph outputs:
-    ORT returns any intermediate value once it is a graph output."""
-    import onnx
-    from onnx import helper
-
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    existing = {o.name for o in copy.graph.output}
-    for value, elem_type in outputs.items():
-        if value not in existing:
-            copy.graph.output.append(helper.make_tensor_value_info(value, elem_type, None))
-    path = folder / name
-    big = copy.ByteSize() > 1_800_000_000  # protobuf's 2 GB limit
-    onnx.save(copy, str(path), save_as_external_data=big, location=f"{name}.data" if big else None)
-    return path
-
-
-# ONNX Runtime renames a value it now computes in fp32 where the graph said fp16 (its CPU kernels
-# mostly have no fp16 version): InsertCastTransformer's prefix.
-_ORT_FP32_PREFIX = "InsertedPrecisionFreeCast_"
-
-
-# --- PyTorch side ------------------------------------------------------------------------------------
-
-
-def torch_activations(hf_model, input_ids: np.ndarray, attention_mask: np.ndarray, decoder_ids: np.ndarray,
-                      modules: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Outputs of `modules` (HF paths below `hf_model.model`, and `lm_head`) in one teacher-forced
-    forward without cache, and the logits (b, t, V). Forward hooks on the model's own modules."""
-    import torch
-
-    captured: dict[str, np.ndarray] = {}
-    by_module: dict[int, list[str]] = {}
-    handles = []
-    for name in modules:
-        module = hf_model.lm_head if name == "lm_head" else hf_model.model.get_submodule(name)
-        by_module.setdefault(id(module), []).append(name)
-        if len(by_module[id(module)]) > 1:
-            continue  # one module under several names (tied embeddings): its calls, in order
-
-        def hook(mod, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            names = by_module[id(mod)]
-            calls = sum(n in captured for n in names)
-            if calls < len(names):
-                captured[names[calls]] = out.detach().float().numpy().copy()
-
-        handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            out = hf_model(
-                input_ids=torch.from_numpy(input_ids),
-                attention_mask=torch.from_numpy(attention_mask),
-                decoder_input_ids=torch.from_numpy(decoder_ids),
-                use_cache=False,
-                return_dict=True,
-            )
-    finally:
-        for h in handles:
-            h.remove()
-    return captured, out.logits.float().numpy()
-
-
-# --- the comparison ----------------------------------------------------------------------------------
-
-
-def _at_step(module: str, reference: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Both sides at the compared positions: decoder modules at the last (the chosen step's)
-    position, encoder modules and cross-attention keys/values at every source position."""
-    full_shape = reference.shape  # (b, t, ...) from PyTorch
-    if (module.startswith("decoder.") or module == "lm_head") and not _OVER_SOURCE.match(module):
-        reference = reference[:, -1]
-        value = value.reshape(full_shape)[:, -1] if value.size == np.prod(full_shape) else value
-    if value.size != reference.size:
-        raise LocateError(
-            f"{module}: the graph's value has shape {list(value.shape)}, PyTorch's {list(reference.shape)}"
-        )
-    return reference.astype(np.float64), value.reshape(reference.shape).astype(np.float64)
-
-
-def compare_values(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
-    """(max |Δ|, relative error ||Δ|| / ||reference|| in the 2-norm); inf when the graph's value
-    is not finite. The norm-wise relative error is scale-free and not led by one outlier entry."""
-    if not np.isfinite(value).all():
-        return math.inf, math.inf
-    if not reference.size:
-        return 0.0, 0.0
-    delta = reference - value
-    diff = float(np.abs(delta).max())
-    norm, scale = float(np.linalg.norm(delta)), float(np.linalg.norm(reference))
-    return diff, (norm / scale if scale > 0 else (0.0 if norm == 0 else math.inf))
-
-
-def apply_tolerance(layers: list[dict], precision: str) -> tuple[dict, dict | None]:
-    """Set each row's `threshold` and `over`; return the rule used and, for reduced precision,
-    the largest jump (the module whose relative error grew most over the worst before it)."""
-    if precision not in PRECISION_FLOOR:
-        for row in layers:
-            row["threshold"] = TOLERANCE
-            row["over"] = row["max_abs_diff"] > TOLERANCE
-        return {"rule": "absolute", "metric": "max_abs_diff", "value": TOLERANCE}, None
-    floor = PRECISION_FLOOR[precision]
-    worst, largest = floor, None
-    for row in layers:
-        row["threshold"] = JUMP_FACTOR * worst
-        row["over"] = row["rel_error"] > row["threshold"]
-        ratio = row["rel_error"] / worst
-        if largest is None or ratio > largest["ratio"]:
-            largest = {"module": row["module"], "ratio": ratio, "rel_error": row["rel_error"], "before": worst}
-        worst = max(worst, row["rel_error"])
-    return {"rule": "jump", "metric": "rel_error", "factor": JUMP_FACTOR, "floor": floor}, largest
-
-
-# --- running it --------------------------------------------------------------------------------------
-
 
 @dataclass
 class _Graph:

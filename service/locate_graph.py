@@ -1,0 +1,230 @@
+"""Locate's map from an ONNX graph to the HF model's modules, and the debug copy that exposes them.
+
+The exporter records on every node the module call it came from (`pkg.torch.onnx.name_scopes`,
+`namespace`); `map_graph` turns that into, per module, the value where the module hands over to
+the next (the last value produced inside its scope and read outside it), so the comparison is
+robust to constant folding and fusions inside a module. `service/locate.py` runs the comparison.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENCODER_PARTS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
+    "fc1", "activation_fn", "fc2", "final_layer_norm",
+)
+DECODER_PARTS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
+    "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj", "encoder_attn", "encoder_attn_layer_norm",
+    "fc1", "activation_fn", "fc2", "final_layer_norm",
+)
+# Decoder modules computed over the source (cross-attention keys and values): compared at every
+# source position; every other decoder module at the chosen step's position only.
+_OVER_SOURCE = re.compile(r"^decoder\.layers\.\d+\.encoder_attn\.[kv]_proj$")
+
+# Scopes of our own wrappers (export/wrappers.py) -> HF paths below MarianMTModel.model.
+_WRAPPER_SCOPES = {
+    "export.wrappers.EncoderWithCrossKV": (
+        (r"^layers\.", "encoder.layers."),
+        (r"^cross_attn\.(\d+)(?=\.|$)", r"decoder.layers.\1.encoder_attn"),
+        (r"^embed_tokens$", "encoder.embed_tokens"),
+    ),
+    "export.wrappers.DecoderStepWithCache": (
+        (r"^layers\.", "decoder.layers."),
+        (r"^embed_tokens$", "decoder.embed_tokens"),
+        (r"^lm_head$", "lm_head"),
+    ),
+}
+# Anything else (HF's own forward, other exporters' wrappers): the HF path inside the scope.
+_HF_PATH = re.compile(r"(?:^|\.)((?:encoder|decoder)\.(?:layers\.\d+(?:\.\w+)*|embed_tokens)|lm_head)$")
+
+_FLOATS = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+_PLUMBING = {7, 9}  # int64, bool: shape arithmetic and masks, not the numbers we compare
+
+
+class LocateError(ValueError):
+    """The input, the backend or the graph does not allow a per-module comparison; says why."""
+
+
+def module_order(encoder_layers: int, decoder_layers: int) -> list[str]:
+    """Every module the report compares, in execution order."""
+    enc = [f"encoder.layers.{i}.{p}" for i in range(encoder_layers) for p in ENCODER_PARTS]
+    dec = [f"decoder.layers.{i}.{p}" for i in range(decoder_layers) for p in DECODER_PARTS]
+    return ["encoder.embed_tokens", *enc, "decoder.embed_tokens", *dec, "lm_head"]
+
+
+# --- graph side: which value is which module's output ---------------------------------------------
+
+
+def _node_scope(node) -> tuple[str | None, str | None]:
+    """(root class, deepest module scope) recorded for one node; (None, None) when nothing is."""
+    meta = {p.key: p.value for p in node.metadata_props}
+    scopes = meta.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            names = ast.literal_eval(scopes)
+            classes = ast.literal_eval(meta.get("pkg.torch.onnx.class_hierarchy", "[]"))
+        except (ValueError, SyntaxError):
+            names, classes = None, []
+        if isinstance(names, list) and names:
+            modules = [n for n in names[:-1] if n]  # the last entry is the operator, "" the root
+            return (classes[0] if classes else None), (modules[-1] if modules else "")
+    namespace = meta.get("namespace")
+    if namespace:  # ": root.Class/scope: module.Class/.../op: aten.op"
+        parts = [p.split(": ", 1) for p in namespace.split("/")]
+        root = parts[0][1] if len(parts[0]) == 2 else None
+        modules = [p[0] for p in parts[1:-1] if p[0]]
+        return root, (modules[-1] if modules else "")
+    if node.name.startswith("/") and node.name.count("/") >= 2:  # TorchScript: /model/decoder/layers.0/fc1/MatMul
+        return "torchscript", ".".join(node.name.split("/")[1:-1])
+    return None, None
+
+
+def hf_module(root: str | None, scope: str | None) -> str | None:
+    """A recorded scope as an HF module path; "" for code outside every reported module, None
+    when the node carries no scope at all."""
+    if scope is None:
+        return None
+    for pattern, replacement in _WRAPPER_SCOPES.get(root or "", ()):
+        if re.match(pattern, scope):
+            return re.sub(pattern, replacement, scope, count=1)
+    match = _HF_PATH.search(scope)
+    return match.group(1) if match else ""
+
+
+def _within(module: str | None, parent: str) -> bool:
+    return module is not None and (module == parent or module.startswith(parent + "."))
+
+
+@dataclass
+class GraphMap:
+    """Where each module's output lives in one graph, and what was computed to get there."""
+
+    file: str
+    values: dict[str, str] = field(default_factory=dict)  # module -> value name
+    op_types: dict[str, list[str]] = field(default_factory=dict)
+    types: dict[str, int] = field(default_factory=dict)  # value name -> ONNX elem type
+
+
+def _value_types(model) -> dict[str, int]:
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if vi.type.HasField("tensor_type"):
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for init in inferred.graph.initializer:
+        types[init.name] = init.data_type
+    return types
+
+
+def map_graph(model, modules: list[str], file: str = "") -> GraphMap:
+    """Find each of `modules`' output value in an ONNX graph (an `onnx.ModelProto`).
+
+    Raises LocateError when the graph records no module scopes at all."""
+    graph = model.graph
+    nodes = list(graph.node)
+    mods = [hf_module(*_node_scope(n)) for n in nodes]
+    if all(m is None for m in mods):
+        raise LocateError(
+            f"cannot map {file or 'this graph'} to the model's modules: none of its {len(nodes)} nodes records the "
+            "module it came from (no `namespace` / `pkg.torch.onnx.name_scopes` metadata from torch.onnx.export("
+            "dynamo=True), no scoped TorchScript node names); re-export it with `python -m export` to locate drift"
+        )
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for name in n.input:
+            readers.setdefault(name, []).append(i)
+    outputs = {o.name for o in graph.output}
+    # Nodes without metadata (the fp16 converter's casts) belong to their readers' module if
+    # those agree; walk readers-first.
+    for i in reversed(range(len(nodes))):
+        if mods[i] is None and not any(o in outputs for o in nodes[i].output):
+            users = {mods[r] for o in nodes[i].output for r in readers.get(o, [])}
+            if len(users) == 1 and None not in users:
+                mods[i] = users.pop()
+
+    types = _value_types(model)
+    result = GraphMap(file=file, types=types)
+    for module in modules:
+        candidates = []
+        for i, n in enumerate(nodes):
+            if not _within(mods[i], module):
+                continue
+            for name in n.output:
+                if not name or types.get(name) not in _FLOATS:
+                    continue
+                if name in outputs or any(not _within(mods[r], module) for r in readers.get(name, [])):
+                    candidates.append((i, name))
+        if candidates:
+            value = max(candidates)[1]  # the last one produced: the module's output
+            # Only a reported part of it here (the encoder graph computes the decoder's
+            # cross-attention keys and values, not the attention): not this module's output.
+            if not any(result.values.get(m) == value for m in modules if m.startswith(module + ".")):
+                result.values[module] = value
+
+    result.op_types = op_types_since(nodes, result.values, modules, types)
+    return result
+
+
+def op_types_since(nodes, values: dict[str, str], modules: list[str], types: dict[str, int]) -> dict[str, list[str]]:
+    """Per module, the op types computed since the modules before it: the nodes its output
+    depends on that no earlier module's output depends on (shape arithmetic left out)."""
+    producer = {name: i for i, n in enumerate(nodes) for name in n.output}
+
+    def ancestors(value: str) -> set[int]:
+        seen, stack = set(), [value]
+        while stack:
+            i = producer.get(stack.pop())
+            if i is not None and i not in seen:
+                seen.add(i)
+                stack.extend(nodes[i].input)
+        return seen
+
+    counted: set[int] = set()
+    result = {}
+    for module in modules:
+        if module not in values:
+            continue
+        mine = ancestors(values[module])
+        fresh = sorted(mine - counted)
+        counted |= mine
+        ops = []
+        for i in fresh:
+            n = nodes[i]
+            plumbing = n.op_type in ("Constant", "Shape") or all(types.get(o) in _PLUMBING for o in n.output)
+            if not plumbing and n.op_type not in ops:
+                ops.append(n.op_type)
+        result[module] = ops
+    return result
+
+
+def with_outputs(model, outputs: dict[str, int], folder: Path, name: str) -> Path:
+    """Save a copy of `model` with `outputs` (value name -> ONNX elem type) added as graph outputs:
+    ORT returns any intermediate value once it is a graph output."""
+    import onnx
+    from onnx import helper
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    existing = {o.name for o in copy.graph.output}
+    for value, elem_type in outputs.items():
+        if value not in existing:
+            copy.graph.output.append(helper.make_tensor_value_info(value, elem_type, None))
+    path = folder / name
+    big = copy.ByteSize() > 1_800_000_000  # protobuf's 2 GB limit
+    onnx.save(copy, str(path), save_as_external_data=big, location=f"{name}.data" if big else None)
+    return path
+
+
+# ONNX Runtime renames a value it now computes in fp32 where the graph said fp16 (its CPU kernels
+# mostly have no fp16 version): InsertCastTransformer's prefix.
+_ORT_FP32_PREFIX = "InsertedPrecisionFreeCast_"
+
+
+# --- PyTorch side ------------------------------------------------------------------------------------
