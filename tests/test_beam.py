@@ -121,12 +121,13 @@ class Reference:
 
         batch = self.backend.tokenizer.encode(texts, self.backend.manifest.max_source_tokens)
         extra = {"forced_eos_token_id": None} if greedy else {}
+        bad_words = options.pop("bad_words_ids", [[self.pad]])
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=torch.from_numpy(batch.input_ids),
                 attention_mask=torch.from_numpy(batch.attention_mask),
                 do_sample=False,
-                bad_words_ids=[[self.pad]],
+                bad_words_ids=bad_words,
                 output_scores=True,
                 return_dict_in_generate=True,
                 **extra,
@@ -446,6 +447,33 @@ def test_the_sidecars_defaults_are_used_and_overridden_per_call(peaked, peaked_e
     assert all(len(t.hypotheses) == 3 for t in defaults)
     greedy = backend.translate(TEXTS, num_beams=1, num_return_sequences=1)
     assert [t.token_ids for t in greedy] == [t.token_ids for t in same.translate(TEXTS, num_beams=1)]
+
+
+@pytest.mark.parametrize("rule", ["renormalize_logits", "forced_bos_token_id", "bad_words_ids"])
+@pytest.mark.parametrize("beams", [1, 4])
+def test_the_models_fixed_rules_from_the_sidecar_equal_generate(peaked_export_dir, peaked_generate, tmp_path, rule, beams):
+    """Rules only the model's generation config sets (not per-call options): renormalizing after
+    the processors, a forced first token, a two-token bad word (the start of today's best output)."""
+    options = {"num_beams": beams, "max_new_tokens": 10, "min_new_tokens": 3, "repetition_penalty": 1.3}
+    if beams > 1:
+        options["num_return_sequences"] = 2
+    pad = load_manifest(peaked_export_dir).special.pad
+    first = peaked_generate(TEXTS[:1], greedy=beams == 1, **options)[0]["ids"][0]
+    value = {"renormalize_logits": True, "forced_bos_token_id": 5, "bad_words_ids": [[pad], first[:2]]}[rule]
+    expected = peaked_generate(TEXTS, greedy=beams == 1, **{rule: value}, **options)
+    out = tmp_path / "export"
+    shutil.copytree(peaked_export_dir, out)
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    data["generation"][rule] = value
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    backends = load_backends(out, names=FP32, session=SessionConfig(threads=2))
+    for name in FP32:
+        translations = backends[name].translate(TEXTS, **options)
+        assert_same_as_generate(translations, expected, name)
+        if rule == "forced_bos_token_id":
+            assert all(t.token_ids[0] == 5 and t.scores[0].logprob == 0.0 for t in translations)
+        if rule == "bad_words_ids":
+            assert all(t.token_ids[:2] != first[:2] for t in translations)
 
 
 def test_step_records_follow_the_chosen_hypothesis(peaked):
