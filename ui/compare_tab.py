@@ -183,7 +183,7 @@ def build(loaded: Loaded) -> None:
             out,
         )
 
-    def translate_ui(text_in: str, n_repeat: float, beams: int | None):
+    def translate_ui(text_in: str, n_repeat: float, beams: int | None = 0):
         beams = int(beams) or None if beams is not None else None  # 0: the model's own config
         try:
             # Empty or too long an input, or too much work for the beams, is refused here, before
