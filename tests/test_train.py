@@ -201,13 +201,14 @@ def test_training_cli_and_resume(tmp_path):
     assert result["whole"]["rows"] == 2 and result["tatoeba"]["rows"] == 1
     assert 0 <= result["whole"]["repeat4_share"] <= result["whole"]["repeat3_share"] <= 1
     # The chosen decoding setting is shipped in both files and is the one the scores were made with.
-    assert result["decoding_options"] == {"num_beams": 2, "repetition_penalty": 1.0, "no_repeat_ngram_size": 3}
+    # (repetition_penalty not given: the shipped default, 1.2)
+    assert result["decoding_options"] == {"num_beams": 2, "repetition_penalty": 1.2, "no_repeat_ngram_size": 3}
     tok = MarianTokenizer.from_pretrained(str(out))
     model = MarianMTModel.from_pretrained(str(out))
     pad = len(tok.get_vocab()) - 1
     assert model.config.decoder_start_token_id == pad and model.generation_config.bad_words_ids == [[pad]]
     gen = model.generation_config
-    assert (gen.num_beams, gen.no_repeat_ngram_size, gen.repetition_penalty) == (2, 3, 1.0)
+    assert (gen.num_beams, gen.no_repeat_ngram_size, gen.repetition_penalty) == (2, 3, 1.2)
     raw = json.loads((out / "config.json").read_text())
     assert (raw["num_beams"], raw["no_repeat_ngram_size"]) == (2, 3)
     assert count_parameters(model) == summary["parameters"]
