@@ -144,13 +144,13 @@ def test_a_killed_actor_loses_and_duplicates_nothing(local_run, ray_local, tiny_
             killed.append(summary["worker"]["pid"])
             os.kill(killed[0], signal.SIGKILL)
 
-    results = _run(tiny_export_dir, out, engine="ray", shard_size=2, on_shard=kill_first_worker)
+    results = _run(tiny_export_dir, out, engine="ray", on_shard=kill_first_worker)
     tables = _tables(out)
     rows = [r for t in tables.values() for r in t.column("row").to_pylist()]
     assert sorted(rows) == list(range(N)) and len(rows) == N  # every sentence, once
     local_rows = {r["row"]: r for t in _tables(out_local).values() for r in t.to_pylist()}
     assert all(r == local_rows[r["row"]] for t in tables.values() for r in t.to_pylist())
-    assert sum(w["shards"] for w in results["workers"]) == N // 2 and results["engine"]["shards"] == N // 2
+    assert sum(w["shards"] for w in results["workers"]) == N // SHARD == results["engine"]["shards"]
     assert len({w["pid"] for w in results["workers"]}) >= 2 and killed[0] in {w["pid"] for w in results["workers"]}
 
 
