@@ -246,7 +246,9 @@ def test_a_repeated_token_run_is_flagged_in_the_json_and_the_panel(tiny_backends
     from ui import compare_render
 
     int8 = tiny_backends["ort_int8"]
-    token = int8.tokenizer.encode(["save"], 512).input_ids[0, 0]
+    # A piece with visible text (a lone word-start piece "▁" would detokenize to nothing).
+    ids = int8.tokenizer.encode(["Click OK to save."], 512).input_ids[0]
+    token = next(int(t) for t in ids if int8.tokenizer.decode([int(t)]).strip())
     backends = {"pytorch": tiny_backends["pytorch"], "ort_int8": _wrap(int8, _Repeat(int8.model, int(token)))}
     out = compare(backends, "Click OK to save.", max_new_tokens=MAX_NEW)
     b = out["backends"]["ort_int8"]
