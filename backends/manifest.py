@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10, "target_lookbehind": 10,
     "num_beam_groups": 1, "diversity_penalty": 0.0,
 }
-# Implemented by backends/decoding.py and recorded in the sidecar.
+# Implemented by backends/strategies.py and processors.py, and recorded in the sidecar.
 SUPPORTED_GENERATION = (
     "num_beams", "length_penalty", "early_stopping", "max_length", "max_new_tokens", "min_length",
     "min_new_tokens", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
@@ -107,7 +106,7 @@ class GenerationDefaults:
     # The model's rules, applied on every call (not per-call options):
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as generate() masks them (a lone eos is never banned)
     forced_bos_token_id: int | None = None  # the first generated token
-    forced_eos_token_id: int | None = None  # the last token at the length cap (beam search; see decoding.py)
+    forced_eos_token_id: int | None = None  # the last token at the length cap (beam search; see processors.py)
     renormalize_logits: bool = False  # log-softmax again after the processors
 
     @classmethod

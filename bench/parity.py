@@ -20,7 +20,7 @@ from corpus import DEV_TSV, read_pairs
 class GenerateReference:
     """transformers' `generate()` on the export's source model, shaped like a backend for
     `parity_report`: the same tokenizer, the same options, the sidecar's bad words. Greedy search
-    keeps our contract at the length cap (no forced eos; see backends/decoding.py)."""
+    keeps our contract at the length cap (no forced eos; see backends/processors.py)."""
 
     def __init__(self, export_dir: Path, threads: int | None):
         import torch

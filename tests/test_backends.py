@@ -183,7 +183,7 @@ def test_ort_backends_never_import_torch(tiny_export_dir):
 @pytest.mark.parametrize("kind", ["normal", "ties", "masked", "one_finite", "mixed", "nan"])
 def test_fast_top_k_equals_a_full_sort(kind):
     """The decoding loop's blockwise top-k against the definition: a stable sort by (-value, id)."""
-    from backends.decoding import _BLOCK, _top_k, _top_k_reference
+    from backends.scoring import _BLOCK, _top_k, _top_k_reference
 
     rng = np.random.default_rng(7)
     for vocab in (65001, 15123, 4000):
@@ -211,7 +211,7 @@ def test_fast_top_k_equals_a_full_sort(kind):
 def test_scoring_a_step_on_threads_equals_one_thread(batch):
     """score_step cuts the batch into row blocks on threads: every output must equal the
     one-thread result, including the masks, rows that are already finished and NaN rows."""
-    from backends.decoding import score_step
+    from backends.scoring import score_step
 
     rng = np.random.default_rng(batch)
     vocab, eos, bad = 65001, 0, np.array([65000])

@@ -69,7 +69,7 @@ def build(loaded: Loaded) -> None:
                 out.append(panel_html(n, None, "ready", loaded.backends[n].info))
         return out
 
-    with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
+    with gr.Tab("Compare", id="compare", elem_id="tab-compare") as tab:
         with gr.Row(equal_height=False):
             text = gr.Textbox(
                 label="English text",
@@ -273,4 +273,5 @@ def build(loaded: Loaded) -> None:
     )
     go.click(**events)
     text.submit(**events)
-    gr.api(compare_api, api_name="compare", concurrency_limit=1, concurrency_id="model")
+    with tab:  # an endpoint with no component; inside a Tab, so gr.Tabs holds only tabs
+        gr.api(compare_api, api_name="compare", concurrency_limit=1, concurrency_id="model")

@@ -1,0 +1,200 @@
+"""Scoring one decoding step's logits: log-normalizers, the exact top-k, and the row-block threads.
+
+These are the hot numpy passes over a (rows, V) array each step; `strategies.py` decides what to
+do with their results. Each row is computed by the same code whichever block it lands in, so the
+results are independent of the thread count.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    # logits (b, V) -> log-probabilities (b, V), computed in float64 so backends compare fairly
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def log_normalizer(logits: np.ndarray) -> np.ndarray:
+    # logits (b, V) float32 -> log-sum-exp (b, 1) float64: the few log-probs the loop reports are
+    # logit - lse, so a full log-softmax over the vocabulary is never materialised. The sum of
+    # exp(x - max) runs in float32 (pairwise summation: relative error ~1e-7 here, far below any
+    # drift we report); a float64 sum of 65001 logits per row cost more than the top-k itself.
+    m = logits.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # rows of all -inf (never produced: eos stays finite)
+        shifted = np.subtract(logits, m)  # (b, V), one scratch array, exp'd in place
+        total = np.exp(shifted, out=shifted).sum(axis=-1, keepdims=True)
+    return m.astype(np.float64) + np.log(total.astype(np.float64))
+
+
+_BLOCK = 128
+
+
+def _top_k_reference(scores: np.ndarray, k: int) -> np.ndarray:
+    # The definition _top_k must match: a full stable sort by (value desc, id asc).
+    order = np.lexsort((np.broadcast_to(np.arange(scores.shape[-1]), scores.shape), -scores), axis=-1)
+    return order[:, :k]
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """scores (b, V) -> ids (b, k), best first; ties broken by the lower id, like argmax.
+
+    The ids are cut into 128 strided blocks' worth of columns (block j holds ids j, j + n, ...,
+    so the block maxima are one vectorised max over contiguous rows). An entry among the k best
+    lies in a block whose maximum is at least the k-th largest block maximum, so only those
+    blocks are sorted exactly: one pass over the row instead of argpartition, the same ids.
+    """
+    b, v = scores.shape
+    n = v // _BLOCK  # blocks in the strided part; ids from n * _BLOCK on form one more block
+    if n < 4 * k:
+        return _top_k_reference(scores, k)
+    block_max = scores[:, : n * _BLOCK].reshape(b, _BLOCK, n).max(axis=1)  # (b, n)
+    if v > n * _BLOCK:
+        block_max = np.concatenate([block_max, scores[:, n * _BLOCK :].max(axis=-1, keepdims=True)], axis=1)
+    kth = np.partition(block_max, -k, axis=-1)[:, -k:].min(axis=-1, keepdims=True)  # (b, 1)
+    out = np.empty((b, k), dtype=np.int64)
+    strides = n * np.arange(_BLOCK)
+    for row in range(b):
+        if np.isnan(kth[row, 0]) or np.isnan(block_max[row]).any():
+            out[row] = _top_k_reference(scores[row : row + 1], k)[0]  # NaN: no order to exploit
+            continue
+        blocks = np.flatnonzero(block_max[row] >= kth[row, 0])
+        head = blocks[blocks < n]
+        ids = (head[:, None] + strides).ravel()
+        if blocks[-1] == n:  # the tail block
+            ids = np.concatenate([ids, np.arange(n * _BLOCK, v)])
+        vals = scores[row, ids]
+        out[row] = ids[np.lexsort((ids, -vals))[:k]]
+    return out
+
+
+# Rows per thread below which splitting a batch costs more than it saves (one 65001-wide row
+# takes ~0.17 ms to score).
+_MIN_ROWS_PER_PART = 4
+_pool: tuple[ThreadPoolExecutor, int] | None = None  # (pool, its size)
+_pool_lock = threading.Lock()
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool with at least n threads, made on first use; idle threads cost nothing."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[1] < n:
+            _pool = (ThreadPoolExecutor(max_workers=n, thread_name_prefix="decode-rows"), n)
+        return _pool[0]
+
+
+Pairs = tuple[np.ndarray, np.ndarray]  # (rows, ids): single entries of a (rows, V) array
+
+
+def _pairs_in(pairs: Pairs | None, lo: int, hi: int) -> Pairs | None:
+    if pairs is None:
+        return None
+    keep = (pairs[0] >= lo) & (pairs[0] < hi)
+    return pairs[0][keep] - lo, pairs[1][keep]
+
+
+def _on_row_blocks(fn, logits: np.ndarray, rows: tuple, pairs: Pairs | None, threads: int, *args):
+    """fn(logits[lo:hi], *(r[lo:hi] for r in rows), pairs of those rows, *args) on up to `threads`
+    threads, results concatenated along the rows.
+
+    The engine's own threads sit idle between steps, and at batch 32 this scoring (three passes
+    over 32 x 65001 logits plus the top-k) was a fifth of an fp32 step and a third of an int8
+    one. numpy releases the GIL inside its loops, so the blocks run in parallel. Each row is
+    computed by the same code whichever block it lands in: results equal the one-thread ones.
+    """
+    b = logits.shape[0]
+    parts = max(1, min(threads, b // _MIN_ROWS_PER_PART))
+    if parts == 1:
+        return fn(logits, *rows, pairs, *args)
+    edges = [b * i // parts for i in range(parts + 1)]
+    pool = _workers(parts - 1)
+    futures = [
+        pool.submit(fn, logits[lo:hi], *(r[lo:hi] for r in rows), _pairs_in(pairs, lo, hi), *args)
+        for lo, hi in zip(edges[1:-1], edges[2:])
+    ]
+    first = fn(logits[: edges[1]], *(r[: edges[1]] for r in rows), _pairs_in(pairs, 0, edges[1]), *args)
+    return tuple(
+        None if pieces[0] is None else np.concatenate(pieces) for pieces in zip(first, *(f.result() for f in futures))
+    )
+
+
+def _score_rows(
+    logits: np.ndarray,
+    finished: np.ndarray,
+    banned: Pairs | None,
+    bad: np.ndarray,
+    mask_eos: bool,
+    eos: int,
+    k: int,
+    forced: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy: logits (r, V) float32, masked in place -> non-finite rows (r,), lse (r, 1), top ids (r, k).
+
+    The log-probs reported are over the tokens left after the masks (logit - lse of the masked row).
+    """
+    # A row's sum is finite exactly when every entry is (|logits| are far from float32's max).
+    non_finite = ~np.isfinite(logits.sum(axis=-1))
+    logits[:, bad] = -np.inf
+    if mask_eos:
+        logits[:, eos] = -np.inf
+    if banned is not None:
+        logits[banned] = -np.inf
+    # A NaN row would make argmax meaningless: score it as all -inf apart from eos, so the row
+    # ends here and the step is reported instead of shown as a translation.
+    for row in np.flatnonzero(non_finite & ~finished):
+        logits[row] = -np.inf
+        logits[row, eos] = 0.0
+    if forced is not None:  # generate()'s forced BOS: every other token -inf, this one 0
+        logits[:] = -np.inf
+        logits[:, forced] = 0.0
+    return non_finite, log_normalizer(logits), _top_k(logits, k)
+
+
+def score_step(
+    logits: np.ndarray,
+    finished: np.ndarray,
+    bad: np.ndarray,
+    mask_eos: bool,
+    eos: int,
+    k: int,
+    threads: int = 1,
+    banned: Pairs | None = None,
+    forced: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_score_rows` over the batch, cut into row blocks on up to `threads` threads."""
+    return _on_row_blocks(_score_rows, logits, (finished,), banned, threads, bad, mask_eos, eos, k, forced)
+
+
+def _beam_rows(
+    logits: np.ndarray, excluded: Pairs | None, bad: np.ndarray, mask_eos: bool, eos: int, k: int, renormalize: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """Beam search: logits (r, V) float32, masked in place -> non-finite rows (r,), lse of the raw
+    row (r, 1), lse of the masked row (r, 1) when renormalizing, top ids (r, k) of the masked row.
+
+    generate()'s beam search takes log_softmax over the whole vocabulary first, then masks: the
+    normalizer comes from the raw row. `excluded` entries (masked n-grams and bad words, and the
+    repetition-penalised ids the caller scores itself) are left out of the top-k.
+    """
+    non_finite = ~np.isfinite(logits.sum(axis=-1))
+    lse = log_normalizer(logits)
+    logits[:, bad] = -np.inf
+    if mask_eos:
+        logits[:, eos] = -np.inf
+    if excluded is not None:
+        logits[excluded] = -np.inf
+    masked_lse = log_normalizer(logits) if renormalize else None
+    return non_finite, lse, masked_lse, _top_k(logits, k)
+
+
+
+
+def beam_step_scores(
+    logits: np.ndarray, excluded: Pairs | None, threads: int, bad: np.ndarray, mask_eos: bool, eos: int, k: int, renormalize: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """`_beam_rows` over the batch, cut into row blocks on up to `threads` threads."""
+    return _on_row_blocks(_beam_rows, logits, (), excluded, threads, bad, mask_eos, eos, k, renormalize)

@@ -1,0 +1,313 @@
+"""The two token decoders of the one decoding loop (as whisper's GreedyDecoder and BeamSearchDecoder).
+
+Each step `decode` hands a decoder the (rows, V) logits; the decoder applies the processors,
+picks the next tokens and says which rows continue which, so the engine can reorder its cache.
+Both follow transformers 5.24 `generate()` token for token: greedy applies the processors to the
+raw logits and takes the argmax (`_sample`); beam search takes log_softmax over the whole
+vocabulary, then the processors, then keeps 2 x num_beams continuations per sentence
+(`_beam_search`, `_get_top_k_continuations`, `_get_running_beams_for_next_iteration`,
+`_update_finished_beams`, `_check_early_stop_heuristic`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .base import DecodeOptions, StepScore
+from .manifest import GenerationDefaults, SpecialTokens
+from .processors import Processors
+from .scoring import beam_step_scores, score_step
+
+
+@dataclass
+class RowResult:
+    token_ids: list[int]
+    scores: list[StepScore]
+    stop_reason: str
+    timings_ms: dict[str, float]
+    non_finite_steps: list[int] = field(default_factory=list)
+    repeated_run: int = 0
+    score: float = 0.0  # sum(log-probs) / len(token_ids) ** length_penalty
+    hypotheses: list[tuple[list[int], float]] = field(default_factory=list)  # (ids, score), best first
+
+
+def _longest_run(ids: list[int]) -> int:
+    best = run = 0
+    prev = None
+    for t in ids:
+        run = run + 1 if t == prev else 1
+        best, prev = max(best, run), t
+    return best
+
+
+
+class GreedyDecoder:
+    """generate(num_beams=1): the processors act on the raw logits, then the argmax."""
+
+    width = 1
+
+    def __init__(self, batch: int, special: SpecialTokens, options: DecodeOptions, rules: GenerationDefaults, threads: int):
+        self.special, self.options, self.threads = special, options, threads
+        self.processors = Processors(special, options, rules, beams=False)
+        self.finished = np.zeros(batch, dtype=bool)
+        self.steps: list[list[StepScore]] = [[] for _ in range(batch)]
+        self.non_finite: list[list[int]] = [[] for _ in range(batch)]
+
+    def update(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, None, bool]:
+        """logits (b, V), a fresh array (a view of the engine's output) masked in place
+        -> (decoder ids grown by one column, no reordering, whether every row is finished)."""
+        p, special, finished = self.processors, self.special, self.finished
+        repeated = p.repeated(decoder_ids)
+        if repeated is not None:
+            logits[repeated] = p.penalise(logits[repeated])
+        bad_rows, lse, top = score_step(
+            logits, finished, p.bad, p.mask_eos(step), special.eos, self.options.top_k, self.threads,
+            p.banned(decoder_ids), p.forced(step),
+        )  # (b,), (b, 1), (b, k)
+        for row in np.flatnonzero(bad_rows & ~finished):
+            self.non_finite[row].append(step)
+        top_logprobs = np.take_along_axis(logits, top, axis=-1) - lse  # (b, k) float64
+        next_ids = top[:, 0].copy()
+        next_ids[finished] = special.pad
+        for row in np.flatnonzero(~finished):
+            self.steps[row].append(
+                StepScore(
+                    token_id=int(next_ids[row]),
+                    logprob=float(top_logprobs[row, 0]),
+                    top_ids=top[row].tolist(),
+                    top_logprobs=top_logprobs[row].tolist(),
+                )
+            )
+        finished |= next_ids == special.eos
+        return np.concatenate([decoder_ids, next_ids[:, None]], axis=1), None, bool(finished.all())
+
+    def finish(self, timings: dict[str, float]) -> list[RowResult]:
+        eos, penalty = self.special.eos, self.options.length_penalty
+        results = []
+        for steps, non_finite in zip(self.steps, self.non_finite):
+            ids = [s.token_id for s in steps]
+            score = sum(s.logprob for s in steps) / len(ids) ** penalty
+            results.append(
+                RowResult(
+                    token_ids=ids,
+                    scores=steps,
+                    stop_reason="eos" if ids and ids[-1] == eos else "max_new_tokens",
+                    timings_ms=timings,
+                    non_finite_steps=non_finite,
+                    repeated_run=_longest_run(ids),
+                    score=score,
+                    hypotheses=[(ids, score)],
+                )
+            )
+        return results
+
+
+@dataclass
+class _Finished:
+    score: float  # sum of log-probs / length ** length_penalty
+    step: int  # the step that produced its last token
+    row: int  # the row (of that step's input) it continued
+    token: int
+    logprob: float
+
+
+@dataclass
+class _StepRecord:
+    """What one beam-search step leaves behind; hypotheses are read back through `parent`."""
+
+    parent: np.ndarray  # (rows,) the input row each next-step row continues
+    token: np.ndarray  # (rows,) the token each next-step row appended
+    logprob: np.ndarray  # (rows,) its processed log-prob
+    top_ids: np.ndarray  # (rows, k) per input row: the divergence view's alternatives
+    top_logprobs: np.ndarray  # (rows, k)
+    non_finite: np.ndarray  # (rows,) per input row
+
+
+_NEG = -1.0e9  # generate()'s "not this one" score
+
+
+class BeamSearchDecoder:
+    """generate(num_beams=n, do_sample=False), transformers 5.24 `_beam_search`, per step:
+
+    1. log-probs = log_softmax(logits) over the whole vocabulary, then the processors;
+    2. each sentence's running scores + log-probs, flattened over beams x vocabulary: the best
+       2n continuations (ties: the lower beam, then the lower id);
+    3. a continuation hits a stop when its token is eos or the length cap is reached; the best n
+       that do not continue as the running beams (the cache is reordered by their rows);
+    4. of the best n continuations, those that hit a stop join the sentence's finished list with
+       score sum / length ** length_penalty, unless the sentence is done (early_stopping=True and n
+       finished, or the heuristic said no running beam can win); the list keeps the best n;
+    5. the heuristic: the best running score divided by (the current length, or the longest
+       possible one for "never" with length_penalty > 0) ** length_penalty must beat the worst of
+       n finished hypotheses; the loop ends when no sentence can improve, or every sentence is
+       full with early_stopping=True, or every continuation hit a stop (the length cap).
+
+    Scores are float64 (generate() uses float32): near-ties may resolve differently.
+    """
+
+    def __init__(self, batch: int, special: SpecialTokens, options: DecodeOptions, rules: GenerationDefaults, threads: int):
+        self.special, self.options, self.threads = special, options, threads
+        self.processors = Processors(special, options, rules, beams=True)
+        self.batch = batch
+        self.width = n = options.num_beams
+        self.candidates = max(2 * n, options.top_k)  # per row: enough for the 2n best of a sentence
+        # Only the first beam of a sentence is live at the start: the others are copies of it.
+        self.running = np.zeros((batch, n))  # (b, n) float64, best first
+        self.running[:, 1:] = _NEG
+        self.finished: list[list[_Finished]] = [[] for _ in range(batch)]
+        self.improvable = np.ones(batch, dtype=bool)  # generate()'s is_early_stop_heuristic_unsatisfied
+        self.history: list[_StepRecord] = []
+
+    def _log_probs(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> ids (rows, K), their processed log-probs (rows, K) float64, best first; non-finite rows."""
+        p, eos, k = self.processors, self.special.eos, self.candidates
+        rows = logits.shape[0]
+        repeated = p.repeated(decoder_ids)
+        banned = p.banned(decoder_ids)
+        raw = None if repeated is None else logits[repeated].astype(np.float64)  # before any mask
+        excluded = banned
+        if repeated is not None:  # scored exactly below, so left out of the top-k
+            excluded = repeated if banned is None else tuple(np.concatenate(x) for x in zip(banned, repeated))
+        non_finite, lse, masked_lse, top = beam_step_scores(
+            logits, excluded, self.threads, p.bad, p.mask_eos(step), eos, k, p.renormalize
+        )
+        values = np.take_along_axis(logits, top, axis=-1) - lse  # (rows, K) float64
+        norm = None if masked_lse is None else masked_lse - lse  # log of the mass the masks leave
+        if repeated is not None:
+            r, ids = repeated
+            penalised = p.penalise(raw - lse[r, 0])
+            penalised[p.is_masked(ids, r, step, banned)] = -np.inf
+            for row in np.unique(r):
+                mine = r == row
+                cand_ids = np.concatenate([top[row], ids[mine]])
+                cand_values = np.concatenate([values[row], penalised[mine]])
+                order = np.lexsort((cand_ids, -cand_values))[:k]
+                top[row], values[row] = cand_ids[order], cand_values[order]
+                if norm is not None:
+                    norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[mine]))
+        if norm is not None:  # renormalize_logits: log_softmax again after the processors
+            values -= norm
+        forced = p.forced(step)
+        for row in range(rows):
+            # A NaN row is scored as eos alone so its beam ends (reported as a non-finite step);
+            # a forced step has one token at log-prob 0, as generate()'s processors set it.
+            only = forced if forced is not None else eos if non_finite[row] else None
+            if only is not None:
+                others = top[row][top[row] != only][: k - 1]
+                top[row, 0], top[row, 1:] = only, others
+                values[row, 0], values[row, 1:] = 0.0, -np.inf
+        return top, values, non_finite
+
+    def update(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """logits (b * n, V) -> (the next rows' decoder ids, the row each continues, whether all are done)."""
+        o, eos = self.options, self.special.eos
+        b, n, vocab = self.batch, self.width, logits.shape[1]
+        ids, values, non_finite = self._log_probs(step, decoder_ids, logits)  # (b * n, K)
+        # 2. the best 2n continuations of each sentence over its n beams
+        keep = 2 * n
+        scores = (self.running.reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
+        beam = np.repeat(np.arange(n), keep)  # (n * keep,) the local beam of each column
+        tokens = ids[:, :keep].reshape(b, n * keep)
+        order = np.lexsort((beam * vocab + tokens, -scores), axis=-1)[:, :keep]  # (b, 2n)
+        top_scores = np.take_along_axis(scores, order, axis=-1)
+        top_beams = beam[order]
+        top_tokens = np.take_along_axis(tokens, order, axis=-1)
+        top_logprobs = np.take_along_axis(values[:, :keep].reshape(b, n * keep), order, axis=-1)
+        # 3. stops, and the n best that go on
+        hits = (top_tokens == eos) | (step + 1 >= o.max_new_tokens)
+        running = top_scores + hits * _NEG
+        nxt = np.argsort(-running, axis=-1, kind="stable")[:, :n]  # (b, n)
+        offsets = (np.arange(b) * n)[:, None]
+        beam_idx = (np.take_along_axis(top_beams, nxt, axis=-1) + offsets).reshape(-1)  # (b * n,)
+        new_tokens = np.take_along_axis(top_tokens, nxt, axis=-1).reshape(-1)
+        self.history.append(
+            _StepRecord(
+                parent=beam_idx,
+                token=new_tokens,
+                logprob=np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1),
+                top_ids=ids[:, : o.top_k],
+                top_logprobs=values[:, : o.top_k],
+                non_finite=non_finite,
+            )
+        )
+        # 4. finished hypotheses (using the heuristic's verdict from the previous step)
+        length_norm = (step + 1) ** o.length_penalty
+        for s in range(b):
+            done = self.finished[s]
+            if not self.improvable[s] or (o.early_stopping is True and len(done) == n):
+                continue
+            new = [
+                _Finished(float(top_scores[s, j] / length_norm), step, int(offsets[s, 0] + top_beams[s, j]),
+                          int(top_tokens[s, j]), float(top_logprobs[s, j]))
+                for j in range(n)
+                if hits[s, j] and np.isfinite(top_scores[s, j])
+            ]
+            if new:
+                merged = done + new
+                merged.sort(key=lambda h: -h.score)  # stable: the earlier one first on a tie
+                self.finished[s] = merged[:n]
+        self.running = np.take_along_axis(running, nxt, axis=-1)
+        # 5. can a running beam still beat the worst finished one?
+        if o.early_stopping == "never" and o.length_penalty > 0.0:
+            best_length = o.max_new_tokens
+        else:
+            best_length = step + 1
+        best = self.running[:, 0] / best_length**o.length_penalty
+        worst = np.array([min(h.score for h in f) if len(f) == n else _NEG for f in self.finished])
+        self.improvable &= best > worst
+        full = all(len(f) == n for f in self.finished)
+        go_on = self.improvable.any() and not (full and o.early_stopping is True) and not hits.all()
+        next_ids = np.concatenate([decoder_ids[beam_idx], new_tokens[:, None]], axis=1)
+        return next_ids, beam_idx, not go_on
+
+    def _read_back(self, h: _Finished) -> tuple[list[StepScore], list[int]]:
+        """The steps of a finished hypothesis, first to last, and its non-finite steps."""
+        steps, non_finite = [], []
+        token, logprob, row = h.token, h.logprob, h.row
+        for step in range(h.step, -1, -1):
+            rec = self.history[step]
+            steps.append(StepScore(int(token), float(logprob), rec.top_ids[row].tolist(), rec.top_logprobs[row].tolist()))
+            if rec.non_finite[row]:
+                non_finite.append(step)
+            if step:
+                prev = self.history[step - 1]
+                token, logprob, row = prev.token[row], prev.logprob[row], prev.parent[row]
+        return steps[::-1], non_finite[::-1]
+
+    def finish(self, timings: dict[str, float]) -> list[RowResult]:
+        o, eos = self.options, self.special.eos
+        last = len(self.history) - 1
+        results = []
+        for s in range(self.batch):
+            hyps = list(self.finished[s])
+            if len(hyps) < o.num_return_sequences:  # never seen: the loop ends with n finished
+                rec = self.history[last]
+                for j in range(self.width):
+                    row = s * self.width + j
+                    score = self.running[s, j] / (last + 1) ** o.length_penalty
+                    hyps.append(_Finished(float(score), last, int(rec.parent[row]), int(rec.token[row]), float(rec.logprob[row])))
+            out = []
+            for h in hyps[: o.num_return_sequences]:
+                steps, non_finite = self._read_back(h)
+                out.append((steps, non_finite, h.score))
+            steps, non_finite, score = out[0]
+            ids = [t.token_id for t in steps]
+            capped = len(ids) == o.max_new_tokens and (ids[-1] != eos or self.processors.forced_eos is not None)
+            results.append(
+                RowResult(
+                    token_ids=ids,
+                    scores=steps,
+                    stop_reason="max_new_tokens" if capped or ids[-1] != eos else "eos",
+                    timings_ms=timings,
+                    non_finite_steps=non_finite,
+                    repeated_run=_longest_run(ids),
+                    score=score,
+                    hypotheses=[([t.token_id for t in st], sc) for st, _, sc in out],
+                )
+            )
+        return results
+
+
+# --- the loop -------------------------------------------------------------------------------------
