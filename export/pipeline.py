@@ -257,7 +257,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             sentences = verify.read_dev_sentences(options.sentences, 64)
             greedy_sentences = verify.read_dev_sentences(options.sentences, options.verify_sentences)
             result = steps.run(
-                "verify against PyTorch (logits, greedy ids, text)",
+                "verify against PyTorch (logits; greedy and the model's own decoding: ids, text)",
                 verify.run,
                 model,
                 tokenizer,
@@ -292,10 +292,10 @@ def summarize(result: dict) -> str:
     for case in result["logits"]:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in case["max_abs_logit_diff"].items())
         lines.append(f"  max |Δlogit| on {case['case']}: {diffs}")
-    g = result["greedy"]
-    for name, r in g["backends"].items():
-        lines.append(
-            f"  greedy {name}: identical ids {r['identical_ids']}/{g['sentences']}, "
-            f"identical text {r['identical_text']}/{g['sentences']}, token agreement {r['token_agreement']:.1%}"
-        )
+    for label, g in (("greedy", result["greedy"]), (verify.decoding_label(result.get("model_decoding")), result.get("model_decoding"))):
+        for name, r in (g or {"backends": {}})["backends"].items():
+            lines.append(
+                f"  {label} {name}: identical ids {r['identical_ids']}/{g['sentences']}, "
+                f"identical text {r['identical_text']}/{g['sentences']}, token agreement {r['token_agreement']:.1%}"
+            )
     return "\n".join(lines)

@@ -185,7 +185,8 @@ def quantize_gathers(model: onnx.ModelProto) -> dict:
         if list(inits[sn].dims) != [inits[weight].dims[axis]]:
             raise RewriteError(f"{sn} has shape {list(inits[sn].dims)}; expected one scale per index on axis {axis}")
 
-        ids, out, base = g.input[1], g.output[0], g.name or out
+        ids, out = g.input[1], g.output[0]
+        base = g.name or out  # an unnamed Gather: name the new nodes after its output
         rank = _rank(graph, ids)
         if rank is None:
             raise RewriteError(f"cannot tell the rank of {ids!r}, the ids of Gather {g.name!r}")

@@ -633,3 +633,19 @@ def test_embedded_model_batches_equal_one_by_one(embedded, embedded_texts):
             (single,) = embedded[name].translate([text], **options)
             assert [h.token_ids for h in single.hypotheses] == [h.token_ids for h in b.hypotheses], (name, text)
             assert np.allclose([h.score for h in single.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+
+
+def test_export_verification_checks_the_models_own_decoding(peaked_export_dir, tiny_export_dir):
+    from export import verify
+
+    sentences = ["The cat sat on the mat.", "Open the file menu and choose Save as.", "Hello!"]
+    own = verify.model_decoding_parity(peaked_export_dir, sentences, 12, threads=2)
+    assert own["options"]["num_beams"] == 4 and own["options"]["length_penalty"] == 0.6
+    assert own["sentences"] == 3
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
+        assert own["backends"][name]["identical_ids"] == 3, own["backends"][name]
+    assert verify.model_decoding_parity(tiny_export_dir, sentences, 12, threads=2) is None  # greedy: checked as greedy
+    # A beam-search mismatch fails the export, named as such.
+    broken = {**own, "backends": {"ort_fp32_kv_cache": {**own["backends"]["ort_fp32_kv_cache"], "identical_ids": 2}}}
+    failures = verify.judge({"cases": []}, None, broken)
+    assert failures and failures[0].startswith("ort_fp32_kv_cache: beam 4 ids identical on 2/3")
