@@ -14,7 +14,7 @@ from .base import MAX_BEAMS, Backend, DecodeOptions, ForcedScores, Hypothesis, S
 from .manifest import GenerationDefaults, Manifest, ManifestError, UnsupportedGeneration, load_manifest
 from .ort_session import SessionConfig
 from .shared_tables import SharedTables
-from .tokenizer import InputError, MarianTokenizerWrapper
+from .tokenizer import InputError, TokenizerWrapper
 
 logger = logging.getLogger("backends")
 
@@ -25,13 +25,13 @@ REFERENCE = "pytorch"
 
 
 def _build(
-    name: str, manifest: Manifest, tokenizer: MarianTokenizerWrapper, session: SessionConfig, tables: SharedTables
+    name: str, manifest: Manifest, tokenizer: TokenizerWrapper, session: SessionConfig, tables: SharedTables
 ) -> Backend:
     if name == "pytorch":
         from . import pytorch
 
         source = pytorch.source_model_of(manifest)
-        model = pytorch.TorchStepModel(source, threads=session.threads)
+        model = pytorch.TorchStepModel(source, threads=session.threads, architecture=manifest.architecture)
         pytorch.offer_tables(model, tables)
         return Backend(name, model, tokenizer, manifest, pytorch.info(model, source))
     if name == "ort_fp32_single_step":
@@ -55,35 +55,90 @@ def _build(
     return Backend(name, model, tokenizer, manifest, model.info)
 
 
-def _prepare(export_dir, names):
+def _check_names(names) -> None:
     unknown = [n for n in names if n not in BACKEND_NAMES]
     if unknown:
         raise ValueError(f"unknown backend(s) {', '.join(unknown)}; expected any of: {', '.join(BACKEND_NAMES)}")
-    manifest = load_manifest(export_dir)
+
+
+def _prepare(export_dir, names, src_lang=None, tgt_lang=None):
+    _check_names(names)
+    manifest = load_manifest(export_dir).with_languages(src_lang, tgt_lang)
     manifest.verify_tokenizer()
-    return manifest, MarianTokenizerWrapper(Path(export_dir))
+    languages = manifest.languages or {}
+    return manifest, TokenizerWrapper(Path(export_dir), src_lang=languages.get("src_lang"))
+
+
+# Which graphs each ORT backend holds (the pytorch backend holds the source weights).
+GRAPHS = {
+    "ort_fp32_single_step": ("full",),
+    "ort_fp32_kv_cache": ("encoder", "decoder"),
+    "ort_fp16": ("encoder_fp16", "decoder_fp16"),
+    "ort_int8": ("encoder_int8", "decoder_int8"),
+}
+
+
+def _source_weight_bytes(manifest: Manifest) -> int:
+    """The PyTorch reference's weights: the source's weight file, else 4 bytes per parameter."""
+    folder = manifest.data["source_model"].get("path")
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if folder and (Path(folder) / name).is_file():
+            return (Path(folder) / name).stat().st_size
+    return 4 * int(manifest.data["model"]["parameters"])
+
+
+def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES) -> dict[str, int]:
+    """Bytes each named backend is expected to hold once loaded: its weights as stored on disk
+    (graph files with their external data; the source model's weights for pytorch). A floor, not
+    a ceiling: activations, ORT's packed weight copies and the KV caches come on top (measured in
+    docs/benchmarks.md for the opus-mt-sized fixture: peak RSS about 1.5-3x the files)."""
+    _check_names(names)
+    manifest = load_manifest(export_dir)
+    files = manifest.data["files"]
+    needs = {}
+    for name in names:
+        if name == REFERENCE:
+            needs[name] = _source_weight_bytes(manifest)
+            continue
+        total = 0
+        for graph in GRAPHS[name]:
+            entry = manifest.graph(graph)
+            total += sum(files[f]["bytes"] for f in [entry["file"], *entry.get("external_data", [])] if f in files)
+        needs[name] = total
+    return needs
 
 
 def load_backends(
-    export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES, session: SessionConfig = SessionConfig()
+    export_dir: str | Path,
+    names: tuple[str, ...] = BACKEND_NAMES,
+    session: SessionConfig = SessionConfig(),
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
 ) -> dict[str, Backend]:
     """Load the named backends in `BACKEND_NAMES` order; any failure raises.
 
-    Backends loaded together share identical lookup tables (`shared_tables`).
+    Backends loaded together share identical lookup tables (`shared_tables`). `src_lang`,
+    `tgt_lang`: language codes overriding the export's (models with codes: NLLB, M2M100, mBART-50);
+    an unknown code raises ValueError listing the known ones.
     """
-    manifest, tokenizer = _prepare(export_dir, names)
+    manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
     return {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
 
 
 def try_load_backends(
-    export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES, session: SessionConfig = SessionConfig()
+    export_dir: str | Path,
+    names: tuple[str, ...] = BACKEND_NAMES,
+    session: SessionConfig = SessionConfig(),
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
 ) -> tuple[dict[str, Backend], dict[str, str]]:
     """Load what can be loaded; return (backends, {name: error message}) so an app can start anyway.
 
-    A broken manifest or tokenizer still raises: no backend can run without them.
+    A broken manifest or tokenizer, or an unknown language code, still raises: no backend can run
+    without them.
     """
-    manifest, tokenizer = _prepare(export_dir, names)
+    manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
     loaded, failed = {}, {}
     for n in BACKEND_NAMES:
@@ -116,5 +171,6 @@ __all__ = [
     "UnsupportedGeneration",
     "load_backends",
     "load_manifest",
+    "memory_needs",
     "try_load_backends",
 ]

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .manifest import GenerationDefaults, Manifest, SpecialTokens
-from .tokenizer import MarianTokenizerWrapper
+from .tokenizer import TokenizerWrapper
 
 MAX_BEAMS = 16
 
@@ -165,7 +165,7 @@ class Backend:
         self,
         name: str,
         model: StepModel,
-        tokenizer: MarianTokenizerWrapper,
+        tokenizer: TokenizerWrapper,
         manifest: Manifest,
         info: dict[str, Any],
     ):

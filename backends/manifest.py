@@ -18,6 +18,7 @@ FORMAT = "marian-onnx-export"
 # 3: "generation": the model's own generation config, the decoding defaults (beam search, penalties)
 FORMAT_VERSION = 3
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
+# A Marian export's tokenizer files; other families list theirs in the sidecar's "tokenizer" section.
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
 
 
@@ -280,8 +281,53 @@ class Manifest:
             self.verify_file(filename)
         return self.graph_path(name)
 
+    @property
+    def family(self) -> str:
+        """"marian", "m2m_100" or "mbart" (export/families.py); exports without the key are Marian."""
+        return (self.data.get("family") or {}).get("name", "marian")
+
+    @property
+    def architecture(self) -> str:
+        return self.data["model"].get("architecture", "MarianMTModel")
+
+    @property
+    def tokenizer_class(self) -> str:
+        return (self.data.get("tokenizer") or {}).get("class", "MarianTokenizer")
+
+    @property
+    def tokenizer_files(self) -> tuple[str, ...]:
+        recorded = (self.data.get("tokenizer") or {}).get("files")
+        return tuple(recorded) if recorded else TOKENIZER_FILES
+
+    @property
+    def languages(self) -> dict[str, Any] | None:
+        """{"src_lang", "tgt_lang", "codes": {code: id}}, or None for a model without language codes."""
+        return self.data.get("languages")
+
+    def with_languages(self, src_lang: str | None = None, tgt_lang: str | None = None) -> "Manifest":
+        """This export with another source language and/or target language (forced first token).
+
+        Raises ValueError naming the codes the tokenizer knows."""
+        if src_lang is None and tgt_lang is None:
+            return self
+        languages = self.languages
+        if not languages:
+            raise ValueError(
+                f"{self.root}: this {self.architecture} model has no language codes; --src-lang/--tgt-lang do not apply"
+            )
+        codes = languages["codes"]
+        unknown = [f"{what} {code!r}" for what, code in (("source language", src_lang), ("target language", tgt_lang))
+                   if code is not None and code not in codes]
+        if unknown:
+            raise ValueError(f"unknown {' and '.join(unknown)}; the tokenizer knows: {', '.join(codes)}")
+        data = dict(self.data)
+        data["languages"] = {**languages, "src_lang": src_lang or languages["src_lang"],
+                             "tgt_lang": tgt_lang or languages["tgt_lang"]}
+        data["generation"] = {**self.data["generation"], "forced_bos_token_id": codes[data["languages"]["tgt_lang"]]}
+        return Manifest(root=self.root, data=data)
+
     def verify_tokenizer(self) -> None:
-        for filename in TOKENIZER_FILES:
+        for filename in self.tokenizer_files:
             self.verify_file(filename)
 
 

@@ -1,4 +1,5 @@
-"""The reference: the HF MarianMTModel in PyTorch eager mode, with transformers' own KV cache.
+"""The reference: the HF model (MarianMTModel, M2M100ForConditionalGeneration, MBartForConditionalGeneration,
+as the sidecar names it) in PyTorch eager mode, with transformers' own KV cache.
 
 The only backend module that imports torch.
 """
@@ -17,6 +18,10 @@ except ImportError as e:  # pragma: no cover
     raise RuntimeError("the pytorch backend requires torch (pip install torch==2.13.0)") from e
 
 
+# The families export/families.py registers.
+SUPPORTED_ARCHITECTURES = ("MarianMTModel", "M2M100ForConditionalGeneration", "MBartForConditionalGeneration")
+
+
 @dataclass
 class _State:
     encoder_outputs: Any
@@ -25,12 +30,15 @@ class _State:
 
 
 class TorchStepModel:
-    def __init__(self, model_source: str | Path, threads: int | None = None):
-        from transformers import MarianMTModel
+    def __init__(self, model_source: str | Path, threads: int | None = None, architecture: str = "MarianMTModel"):
+        import transformers
 
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architecture!r}; expected one of: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if threads:
             torch.set_num_threads(threads)
-        self.model = MarianMTModel.from_pretrained(str(model_source)).eval()
+        self.architecture = architecture
+        self.model = getattr(transformers, architecture).from_pretrained(str(model_source)).eval()
         self.threads = torch.get_num_threads()
 
     @torch.inference_mode()
@@ -98,7 +106,7 @@ def info(step_model: TorchStepModel, source) -> dict[str, Any]:
         "runtime": f"PyTorch {torch.__version__} eager",
         "provider": "CPU",
         "precision": "fp32",
-        "graph": f"{source} (transformers MarianMTModel)",
+        "graph": f"{source} (transformers {step_model.architecture})",
         "threads": step_model.threads,
         "interop_threads": torch.get_num_interop_threads(),
     }

@@ -1,15 +1,25 @@
-"""The one tokenizer wrapper every backend uses: MarianTokenizer from the export folder.
+"""The one tokenizer wrapper every backend uses: the model's own transformers tokenizer, loaded
+from the export folder.
 
-transformers' MarianTokenizer needs sentencepiece, not torch, so the ONNX Runtime backends stay
-torch-free while tokenizing exactly as the reference does.
+MarianTokenizer (sentencepiece), and transformers 5's `tokenizers`-backed NllbTokenizer and
+MBart50Tokenizer (and the sentencepiece M2M100Tokenizer) need no torch, so the ONNX Runtime
+backends stay torch-free while tokenizing exactly as the reference does. Which class, and the
+source language whose code prefixes every source, come from the sidecar (`manifest.json`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+# The classes the export writes (export/families.py); anything else in a sidecar is refused.
+TOKENIZER_CLASSES = (
+    "MarianTokenizer", "NllbTokenizer", "NllbTokenizerFast", "M2M100Tokenizer", "MBart50Tokenizer",
+    "MBart50TokenizerFast",
+)
 
 
 class InputError(ValueError):
@@ -23,13 +33,39 @@ class EncodedBatch:
     lengths: list[int]  # real tokens per row, eos included
 
 
-class MarianTokenizerWrapper:
-    def __init__(self, folder: str | Path):
+def _sidecar_tokenizer(folder: Path) -> tuple[str, str | None]:
+    """(tokenizer class, source language) recorded in the folder's sidecar; Marian without one."""
+    path = folder / "manifest.json"
+    if not path.is_file():
+        return "MarianTokenizer", None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    languages = data.get("languages") or {}
+    return (data.get("tokenizer") or {}).get("class", "MarianTokenizer"), languages.get("src_lang")
+
+
+class TokenizerWrapper:
+    """`folder`: an export folder (its sidecar names the class and source language) or a model
+    folder. `src_lang`: overrides the sidecar's source language (a code the tokenizer knows)."""
+
+    def __init__(self, folder: str | Path, src_lang: str | None = None, tokenizer_class: str | None = None):
+        folder = Path(folder)
+        recorded_class, recorded_lang = _sidecar_tokenizer(folder)
+        self.tokenizer_class = tokenizer_class or recorded_class
+        if self.tokenizer_class not in TOKENIZER_CLASSES:
+            raise ValueError(
+                f"{folder}: tokenizer class {self.tokenizer_class!r} is not supported; "
+                f"expected one of: {', '.join(TOKENIZER_CLASSES)}"
+            )
         try:
-            from transformers import MarianTokenizer
+            import transformers
         except ImportError as e:  # pragma: no cover - the pinned environment has it
-            raise RuntimeError("tokenizing requires the transformers and sentencepiece packages") from e
-        self._tok = MarianTokenizer.from_pretrained(str(folder))
+            raise RuntimeError("tokenizing requires the transformers, tokenizers and sentencepiece packages") from e
+        self.src_lang = src_lang or recorded_lang
+        cls = getattr(transformers, self.tokenizer_class)
+        kwargs = {"src_lang": self.src_lang} if self.src_lang else {}
+        self._tok = cls.from_pretrained(str(folder), **kwargs)
+        if self.src_lang and self._tok.convert_tokens_to_ids(self.src_lang) in (None, self._tok.unk_token_id):
+            raise ValueError(f"{folder}: the tokenizer does not know the source language {self.src_lang!r}")
         self.pad_id = self._tok.pad_token_id
         self.eos_id = self._tok.eos_token_id
 
@@ -43,7 +79,7 @@ class MarianTokenizerWrapper:
         for i, text in enumerate(texts):
             if not isinstance(text, str) or not text.strip():
                 raise InputError(f"text {i + 1} is empty or whitespace only: nothing to translate")
-            ids = self._tok(text).input_ids  # ends with eos
+            ids = self._tok(text).input_ids  # ends with eos (NLLB/mBART: the language code first)
             if len(ids) > max_tokens:
                 raise InputError(
                     f"text {i + 1} is {len(ids)} tokens long; the model reads at most {max_tokens} "
@@ -67,3 +103,7 @@ class MarianTokenizerWrapper:
 
     def pieces(self, ids: list[int]) -> list[str]:
         return self._tok.convert_ids_to_tokens(ids)
+
+
+# The name every caller used before other families existed.
+MarianTokenizerWrapper = TokenizerWrapper

@@ -55,6 +55,9 @@ def _retarget_float_casts(model: onnx.ModelProto) -> int:
 def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_OPS) -> dict:
     from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
+    from .onnx_io import check, external_files, save
+
+    external = bool(external_files(src))
     model = onnx.load(str(src))
     # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
     del model.graph.value_info[:]
@@ -62,8 +65,9 @@ def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_O
     block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep_fp32_ops))
     converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
     casts = _retarget_float_casts(converted)
-    onnx.checker.check_model(converted)
-    onnx.save(converted, str(dst))
+    del model
+    save(converted, dst, external_data=external)
+    check(dst)
     return {
         "converter": "onnxconverter_common.float16.convert_float_to_float16",
         "keep_io_types": True,

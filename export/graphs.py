@@ -78,14 +78,14 @@ def _example_inputs(config, batch: int, src_len: int, tgt_len: int, past_len: in
     return ids, mask, dec, cross, past
 
 
-def _modules_and_args(model, spec_name: str, config, batch=2, src_len=7, tgt_len=3, past_len=3):
+def _modules_and_args(model, family, spec_name: str, config, batch=2, src_len=7, tgt_len=3, past_len=3):
     ids, mask, dec, cross, past = _example_inputs(config, batch, src_len, tgt_len, past_len)
     if spec_name == "full":
         return FullSeq2Seq(model), (ids, mask, dec)
     if spec_name == "encoder":
-        return EncoderWithCrossKV(model), (ids, mask)
+        return EncoderWithCrossKV(model, family), (ids, mask)
     if spec_name == "decoder":
-        return DecoderStepWithCache(model), (dec[:, :1], mask, *cross, *past)
+        return DecoderStepWithCache(model, family), (dec[:, :1], mask, *cross, *past)
     raise ValueError(spec_name)
 
 
@@ -130,12 +130,12 @@ def _describe_failure(spec_name: str, error: Exception) -> str:
     return f"exporting the {spec_name} graph failed: {type(error).__name__}: {detail} ({_versions()})"
 
 
-def probe(model, config, opset: int) -> dict[str, float]:
+def probe(model, family, config, opset: int) -> dict[str, float]:
     """Trace each wrapper on a tiny input; fail early with the operator and versions in the message."""
     times = {}
     for name in ("full", "encoder", "decoder"):
         start = time.perf_counter()
-        module, args = _modules_and_args(model, name, config, batch=1, src_len=3, tgt_len=2, past_len=1)
+        module, args = _modules_and_args(model, family, name, config, batch=1, src_len=3, tgt_len=2, past_len=1)
         try:
             with torch.no_grad():
                 exported = torch.export.export(module.eval(), args, strict=False)
@@ -146,9 +146,23 @@ def probe(model, config, opset: int) -> dict[str, float]:
     return times
 
 
-def export_graph(model, config, spec: GraphSpec, out_dir: Path, opset: int) -> Path:
-    """Export one fp32 graph into `out_dir/spec.file` (weights inline: graphs stay < 2 GB here)."""
-    module, args = _modules_and_args(model, spec.name, config)
+# ONNX files are protobufs, which cannot exceed 2 GB: past this many bytes of weights a graph keeps
+# them in an external data file next to it (`<graph>.onnx.data`), checksummed in the sidecar.
+EXTERNAL_DATA_BYTES = 1_500_000_000
+
+
+def needs_external_data(model) -> bool:
+    """Whether the fp32 graphs of `model` need external data (a margin below 2 GB for the graph itself)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    return total > EXTERNAL_DATA_BYTES
+
+
+def export_graph(model, family, config, spec: GraphSpec, out_dir: Path, opset: int, external_data: bool = False) -> Path:
+    """Export one fp32 graph into `out_dir/spec.file`; `external_data`: weights in `<file>.data`."""
+    from .onnx_io import data_file, external_files, save
+
+    module, args = _modules_and_args(model, family, spec.name, config)
     path = out_dir / spec.file
     try:
         with torch.no_grad():
@@ -162,9 +176,14 @@ def export_graph(model, config, spec: GraphSpec, out_dir: Path, opset: int) -> P
                 dynamic_shapes=_dynamic_shapes(spec, config.max_position_embeddings),
                 opset_version=opset,
                 optimize=True,  # constant folding and dead-code elimination
-                external_data=False,
+                external_data=external_data,
                 verbose=False,
             )
     except Exception as e:
         raise ExportError(_describe_failure(spec.name, e)) from e
+    if external_data and external_files(path) != [data_file(path).name]:
+        # One data file with our name, whatever the exporter called its own.
+        import onnx
+
+        save(onnx.load(str(path)), path, external_data=True)
     return path

@@ -28,6 +28,7 @@ from backends.manifest import (
 )
 
 from . import fp16, graphs, quantize, rewrite, verify
+from .onnx_io import external_files
 from .source import load_source
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
@@ -44,6 +45,12 @@ class ExportOptions:
     verify_sentences: int = 16
     verify_max_new_tokens: int = 48
     threads: int | None = None
+    # Language codes (families that have them): the tokenizer's source language and the target
+    # forced as the first token; None: the family's defaults, English -> Chinese.
+    src_lang: str | None = None
+    tgt_lang: str | None = None
+    # Weights in external data files: None decides by size (graphs.EXTERNAL_DATA_BYTES); True forces it.
+    external_data: bool | None = None
 
     def __post_init__(self):
         if self.opset < 17:
@@ -108,10 +115,10 @@ def _graph_entry(spec: graphs.GraphSpec, precision: str, file: str | None = None
     return entry
 
 
-def _model_facts(model) -> dict:
+def _model_facts(model, family) -> dict:
     c = model.config
     return {
-        "architecture": "MarianMTModel",
+        "architecture": family.architecture,
         "d_model": c.d_model,
         "encoder_layers": c.encoder_layers,
         "decoder_layers": c.decoder_layers,
@@ -127,16 +134,35 @@ def _model_facts(model) -> dict:
     }
 
 
-def _generation(model, source: dict) -> dict:
-    """The sidecar's "generation" section: the model's generation config as the decoding defaults."""
+def _generation(model, source: dict, languages: dict | None) -> dict:
+    """The sidecar's "generation" section: the model's generation config as the decoding defaults.
+
+    With language codes, the target language's code is the forced first token (as the tokenizer's
+    translation pipeline passes `forced_bos_token_id` to generate()), whatever the config says."""
     c = model.config
     # The file it came from: its checksum tells export.ensure when the config changed.
     file = generation_source_file(Path(source["path"])) if source.get("path") else None
     special = {"pad": c.pad_token_id, "eos": c.eos_token_id, "decoder_start": c.decoder_start_token_id}
-    return generation_section(
-        model.generation_config.to_dict(), special=special, limit=c.max_position_embeddings - 1,
-        vocab_size=c.vocab_size, source_file=file,
+    config = model.generation_config.to_dict()
+    note = None
+    if languages is not None:
+        forced = languages["codes"][languages["tgt_lang"]]
+        if config.get("forced_bos_token_id") not in (None, forced):
+            note = (f"the model's generation config forces id {config['forced_bos_token_id']} first; the target "
+                    f"language {languages['tgt_lang']} (id {forced}) is forced instead")
+        config["forced_bos_token_id"] = forced
+    section = generation_section(
+        config, special=special, limit=c.max_position_embeddings - 1, vocab_size=c.vocab_size, source_file=file,
     )
+    if note:
+        section["notes"].append(note)
+    return section
+
+
+def _tokenizer_record(tokenizer, source: dict, folder: Path, before: set[str]) -> dict:
+    """The sidecar's "tokenizer" section: its class and the files `save_pretrained` wrote."""
+    written = sorted(f.name for f in folder.iterdir() if f.is_file() and f.name not in before)
+    return {"class": source["tokenizer_class"], "files": written}
 
 
 def export(src: str, options: ExportOptions, log=print) -> Path:
@@ -144,10 +170,13 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     steps = _Steps(8 if options.verify else 7, log)
-    model, tokenizer, source = steps.run(f"load {src}", load_source, src)
+    model, tokenizer, source, family, languages = steps.run(
+        f"load {src}", load_source, src, options.src_lang, options.tgt_lang
+    )
     config = model.config
-    generation = _generation(model, source)  # refuses unsupported options before any graph is made
-    steps.run("probe: trace each graph on a tiny input", graphs.probe, model, config, options.opset)
+    generation = _generation(model, source, languages)  # refuses unsupported options before any graph is made
+    external = graphs.needs_external_data(model) if options.external_data is None else options.external_data
+    steps.run("probe: trace each graph on a tiny input", graphs.probe, model, family, config, options.opset)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -156,14 +185,14 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         rewrites = {}
 
         def full():
-            path = graphs.export_graph(model, config, specs["full"], tmp, options.opset)
+            path = graphs.export_graph(model, family, config, specs["full"], tmp, options.opset, external)
             rewrites["full"] = rewrite.rewrite_file(path)
 
         steps.run("export full (single-step) graph", full)
 
         def kv_pair():
-            graphs.export_graph(model, config, specs["encoder"], tmp, options.opset)
-            path = graphs.export_graph(model, config, specs["decoder"], tmp, options.opset)
+            graphs.export_graph(model, family, config, specs["encoder"], tmp, options.opset, external)
+            path = graphs.export_graph(model, family, config, specs["decoder"], tmp, options.opset, external)
             rewrites["decoder"] = rewrite.rewrite_file(path)
 
         steps.run("export KV-cache encoder + decoder graphs", kv_pair)
@@ -193,18 +222,33 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         }
         for entry in graph_entries.values():
             _no_dropout(tmp / entry["file"])
+            data = external_files(tmp / entry["file"])
+            if data:
+                entry["external_data"] = data
+        before = {f.name for f in tmp.iterdir()}
         tokenizer.save_pretrained(tmp)
-        for extra in ("added_tokens.json", "special_tokens_map.json"):
-            (tmp / extra).unlink(missing_ok=True)
+        if family.name == "marian":
+            for extra in ("added_tokens.json", "special_tokens_map.json"):
+                (tmp / extra).unlink(missing_ok=True)
+        tokenizer_record = _tokenizer_record(tokenizer, source, tmp, before)
 
         limit = config.max_position_embeddings
-        bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or [[config.pad_token_id]])]
+        # Marian masks pad at every step (its config's bad_words_ids); the other families' generate()
+        # masks nothing unless their config says so.
+        default_bad = [[config.pad_token_id]] if family.name == "marian" else []
+        bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or default_bad)]
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "source_model": source,
-            "model": _model_facts(model),
+            "family": {"name": family.name, "architecture": family.architecture, "pre_norm": family.pre_norm,
+                       "positions": family.positions, "embedding_norm": family.embedding_norm,
+                       "final_norm": family.final_norm, "logits_bias": family.logits_bias},
+            "tokenizer": tokenizer_record,
+            # src_lang: the tokenizer's source code; tgt_lang: forced first (generation.forced_bos_token_id).
+            "languages": languages,
+            "model": _model_facts(model, family),
             "special_tokens": {
                 "pad": config.pad_token_id,
                 "eos": config.eos_token_id,
@@ -244,7 +288,9 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 for f in sorted(tmp.iterdir())
                 if f.is_file() and f.name != MANIFEST_NAME
             }
-            missing = [f for f in TOKENIZER_FILES if f not in manifest["files"]]
+            missing = [f for f in manifest["tokenizer"]["files"] if f not in manifest["files"]]
+            if family.name == "marian":
+                missing += [f for f in TOKENIZER_FILES if f not in manifest["files"]]
             if missing:
                 raise RuntimeError(f"tokenizer files not written: {', '.join(missing)}")
             (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8")

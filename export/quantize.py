@@ -22,6 +22,9 @@ OPS_TO_QUANTIZE = ["MatMul"]
 def quantize_int8(src: Path, dst: Path) -> dict:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from .onnx_io import check, external_files, save
+
+    external = bool(external_files(src))
     quantize_dynamic(
         model_input=str(src),
         model_output=str(dst),
@@ -30,13 +33,14 @@ def quantize_int8(src: Path, dst: Path) -> dict:
         reduce_range=False,
         weight_type=QuantType.QInt8,
         extra_options={"MatMulConstBOnly": True},  # activations x activations (attention) stay fp32
+        use_external_data_format=external,
     )
     model = onnx.load(str(dst))
     # The quantizer's nodes get the metadata of the MatMuls they replace (service/locate.py reads it).
     rewrite.copy_scope_metadata(onnx.load(str(src), load_external_data=False), model)
     gathers = rewrite.quantize_gathers(model)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(dst))
+    save(model, dst, external_data=external)
+    check(dst)
     return {
         "quantizer": "onnxruntime.quantization.quantize_dynamic",
         "weight_type": "int8, per output channel",

@@ -132,11 +132,15 @@ def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
 
 
 def rewrite_file(path: Path) -> dict:
+    """Rewrite a graph file in place; a graph with external data keeps it (export/onnx_io.py)."""
+    from .onnx_io import check, external_files, save
+
+    external = bool(external_files(path))
     model = onnx.load(str(path))
     report = pre_transpose_tied_embedding(model)
     if report["weights"]:
-        onnx.checker.check_model(model)
-        onnx.save(model, str(path))
+        save(model, path, external_data=external)
+        check(path)
     return report
 
 

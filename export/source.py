@@ -1,14 +1,24 @@
-"""Find, validate and load the source model: a local HF Marian folder or a hub id."""
+"""Find, validate and load the source model: a local HF folder or a hub id, of a family in the
+architecture registry (`families.py`), with a tokenizer that matches its vocabulary."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("MarianMTModel",)
-SUPPORTED_MODEL_TYPES = ("marian",)
+from .families import FAMILIES, Family, UnsupportedArchitecture, default_languages, family_of, supported
+
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+SUPPORTED_MODEL_TYPES = tuple(f.model_type for f in FAMILIES.values())
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
+# Files a local folder must hold for its tokenizer, per family: all of a tuple, one of a set.
+TOKENIZER_FILES = {
+    "marian": ("source.spm", "target.spm", "vocab.json"),
+    # transformers 5's tokenizers-backed classes read tokenizer.json, or build it from the
+    # sentencepiece model; M2M100Tokenizer (sentencepiece) reads vocab.json + the model.
+    "m2m_100": ("tokenizer_config.json", {"tokenizer.json", "sentencepiece.bpe.model"}),
+    "mbart": ("tokenizer_config.json", {"tokenizer.json", "sentencepiece.bpe.model"}),
+}
 
 
 class SourceError(ValueError):
@@ -26,35 +36,98 @@ def check_local_folder(folder: Path) -> dict:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise SourceError(f"{config_path} is not valid JSON: {e}") from e
-    check_architecture(config, str(folder))
+    family = check_architecture(config, str(folder))
     missing = []
     if not any((folder / w).is_file() for w in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
-    missing += [f for f in TOKENIZER_FILES if not (folder / f).is_file()]
+    for need in TOKENIZER_FILES[family.name]:
+        options = sorted(need) if isinstance(need, set) else [need]
+        if not any((folder / f).is_file() for f in options):
+            missing.append(" or ".join(options))
     if missing:
-        raise SourceError(f"{folder} lacks {', '.join(missing)} (a Marian model folder needs weights and tokenizer files)")
+        raise SourceError(
+            f"{folder} lacks {', '.join(missing)} (a {family.title} model folder needs weights and tokenizer files)"
+        )
     return config
 
 
-def check_architecture(config: dict, where: str) -> None:
-    model_type = config.get("model_type")
-    architectures = config.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES or (
-        architectures and not any(a in SUPPORTED_ARCHITECTURES for a in architectures)
-    ):
+def check_architecture(config: dict, where: str) -> Family:
+    try:
+        return family_of(config, where)
+    except UnsupportedArchitecture as e:
+        raise SourceError(str(e)) from e
+
+
+def tokenizer_class_of(folder: Path, family: Family) -> str:
+    """The tokenizer class a folder names (tokenizer_config.json), checked against the family's."""
+    config_path = folder / "tokenizer_config.json"
+    named = None
+    if config_path.is_file():
+        try:
+            named = json.loads(config_path.read_text(encoding="utf-8")).get("tokenizer_class")
+        except json.JSONDecodeError as e:
+            raise SourceError(f"{config_path} is not valid JSON: {e}") from e
+    named = named or family.tokenizer_classes[0]
+    if named not in family.tokenizer_classes:
         raise SourceError(
-            f"{where}: unsupported architecture {', '.join(architectures) or '?'} (model_type {model_type!r}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))})"
+            f"{folder}: tokenizer class {named} does not belong to a {family.title} model; "
+            f"expected one of: {', '.join(family.tokenizer_classes)}"
         )
+    return named
 
 
-def load_source(src: str):
-    """Return (model in eval mode, tokenizer, source record for the sidecar)."""
-    from transformers import MarianMTModel, MarianTokenizer
+def language_codes(tokenizer) -> dict[str, int]:
+    """{code: id} of every language code the tokenizer knows (empty for Marian)."""
+    lang_map = getattr(tokenizer, "lang_code_to_id", None)  # M2M100Tokenizer: {"en": id, ...}
+    if isinstance(lang_map, dict) and lang_map:
+        return {code: int(i) for code, i in lang_map.items()}
+    extra = [str(t) for t in (getattr(tokenizer, "extra_special_tokens", None) or [])]
+    if not extra:
+        extra = [str(t) for t in (getattr(tokenizer, "additional_special_tokens", None) or [])]
+    ids = tokenizer.convert_tokens_to_ids(extra) if extra else []
+    return {code: int(i) for code, i in zip(extra, ids) if i is not None and i != tokenizer.unk_token_id}
+
+
+def check_languages(codes: dict[str, int], src_lang: str | None, tgt_lang: str | None, where: str) -> None:
+    if not codes:
+        if src_lang or tgt_lang:
+            raise SourceError(f"{where}: this model has no language codes; --src-lang/--tgt-lang do not apply")
+        return
+    unknown = [f"{what} {code!r}" for what, code in (("source language", src_lang), ("target language", tgt_lang))
+               if code not in codes]
+    if unknown:
+        raise SourceError(f"{where}: unknown {' and '.join(unknown)}; the tokenizer knows: {', '.join(codes)}")
+
+
+def check_tokenizer_matches(tokenizer, config, codes: dict[str, int], where: str) -> None:
+    """Refuse a tokenizer whose ids do not fit the model: every difference in one error."""
+    problems = []
+    size = len(tokenizer)
+    if size > config.vocab_size:
+        problems.append(f"the tokenizer has {size} ids but the model's vocabulary (embedding) has {config.vocab_size}")
+    for name in ("pad", "eos"):
+        tok_id, model_id = getattr(tokenizer, f"{name}_token_id"), getattr(config, f"{name}_token_id")
+        if tok_id != model_id:
+            problems.append(f"{name} id: tokenizer {tok_id}, model config {model_id}")
+    if not 0 <= (config.decoder_start_token_id or 0) < config.vocab_size:
+        problems.append(f"decoder_start_token_id {config.decoder_start_token_id} is outside the vocabulary")
+    outside = {code: i for code, i in codes.items() if not 0 <= i < config.vocab_size}
+    if outside:
+        problems.append(f"language codes outside the model's vocabulary: {outside}")
+    if problems:
+        raise SourceError(f"{where}: the tokenizer does not match the model: " + "; ".join(problems))
+
+
+def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = None):
+    """Return (model in eval mode, tokenizer, source record for the sidecar, family, languages).
+
+    `languages`: None for a family without codes, else {"src_lang", "tgt_lang", "codes": {code: id}}.
+    """
+    import transformers
 
     path = Path(src)
     if path.exists():
-        check_local_folder(path)
+        family = check_architecture(check_local_folder(path), str(path))
         weights = next(path / w for w in WEIGHT_FILES if (path / w).is_file())
         from backends.manifest import sha256_file
 
@@ -65,17 +138,32 @@ def load_source(src: str):
             raise SourceError(f"{src} is neither a local folder nor a hub id (owner/name)")
         record = {"path": None, "hub_id": src, "weights_sha256": None}
         where = src
+        family = None
     try:
-        if record["hub_id"]:
-            from transformers import AutoConfig
-
-            check_architecture(AutoConfig.from_pretrained(src).to_dict(), src)
-        model = MarianMTModel.from_pretrained(where).eval()
-        tokenizer = MarianTokenizer.from_pretrained(where)
+        if family is None:
+            family = check_architecture(transformers.AutoConfig.from_pretrained(src).to_dict(), src)
+        tokenizer_class = tokenizer_class_of(path, family) if path.exists() else family.tokenizer_classes[0]
+        default_src, default_tgt = default_languages(family, tokenizer_class)
+        src_lang, tgt_lang = src_lang or default_src, tgt_lang or default_tgt
+        kwargs = {"src_lang": src_lang, "tgt_lang": tgt_lang} if default_src else {}
+        tokenizer = getattr(transformers, tokenizer_class).from_pretrained(where, **kwargs)
+        model = getattr(transformers, family.architecture).from_pretrained(where).eval()
     except SourceError:
         raise
     except OSError as e:
         raise SourceError(f"could not load {where}: {e}") from e
+    except ValueError as e:  # e.g. weights whose shapes do not match the config
+        raise SourceError(f"could not load {where}: {e}") from e
+    codes = language_codes(tokenizer) if default_src else {}
+    check_languages(codes, src_lang, tgt_lang, where)
+    check_tokenizer_matches(tokenizer, model.config, codes, where)
     for p in model.parameters():
         p.requires_grad_(False)
-    return model, tokenizer, record
+    languages = None
+    if codes:
+        languages = {"src_lang": src_lang, "tgt_lang": tgt_lang, "codes": codes}
+    record["tokenizer_class"] = tokenizer_class
+    return model, tokenizer, record, family, languages
+
+
+__all__ = ["SourceError", "check_local_folder", "load_source", "supported"]

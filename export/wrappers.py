@@ -1,9 +1,13 @@
-"""Export-friendly forward passes over a HF MarianMTModel's own weights.
+"""Export-friendly forward passes over a HF seq2seq model's own weights (every family in
+`families.py`: Marian, M2M100/NLLB, mBART).
 
 The KV-cache graphs need tensors in and tensors out (no Cache objects), cross-attention keys and
 values computed once by the encoder graph, and the position of the newest token taken from the
 past length. Writing that forward here, over the very same submodules, keeps it independent of
 transformers' cache API; the export verification compares every graph against the HF model itself.
+
+What differs between families (layer-norm order, positions, embedding scale and norm, final
+norms, logits bias) is read from the family's registry entry; the forward is written once.
 
 Shapes use b = batch, s = source length, p = past length, h = heads, d = head dim, V = vocab.
 """
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .families import Family
 
 # Additive mask value: finite in fp16 too, so the fp16 graphs never see -inf + x = NaN, and large
 # enough that exp() underflows to exactly 0 in fp32 (same probabilities as HF's finfo.min mask).
@@ -41,32 +47,81 @@ def _padding_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 - mask[:, None, None, :].to(dtype)) * MASK_VALUE
 
 
-class EncoderWithCrossKV(nn.Module):
+class _Stack(nn.Module):
+    """What the encoder and decoder wrappers share: one side's embeddings, positions, norms and
+    layers, as its family has them. Submodules keep HF's names (`embed_tokens`, `layers.N...`):
+    the exporter records them, and service/locate_graph.py maps them back to the HF model."""
+
+    def _init_stack(self, stack: nn.Module, family: Family, pad: int) -> None:
+        self.family = family
+        self.pad = pad
+        self.embed_tokens = stack.embed_tokens
+        # M2M100/mBART scale inside their ScaledWordEmbedding; Marian scales on the stack.
+        self.embed_scale = 1.0 if hasattr(stack.embed_tokens, "embed_scale") else float(stack.embed_scale)
+        self.positions = stack.embed_positions
+        self.layernorm_embedding = stack.layernorm_embedding if family.embedding_norm else None
+        self.layer_norm = stack.layer_norm if family.final_norm else None
+        self.layers = stack.layers
+
+    def embed(self, input_ids: torch.Tensor, past_len) -> torch.Tensor:
+        """input_ids (b, t) at positions past_len .. past_len + t - 1 -> (b, t, D)."""
+        t = input_ids.shape[1]
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        kind = self.family.positions
+        if kind == "sinusoidal":
+            pos = self.positions.weight[past_len : past_len + t]  # (t, D)
+        elif kind == "learned_offset":
+            offset = self.family.position_offset
+            pos = self.positions.weight[past_len + offset : past_len + offset + t]  # (t, D)
+        else:  # M2M100: its `weights` buffer, row pad + 1 + position for tokens, row pad (zeros) for pad
+            real = input_ids.ne(self.pad).to(torch.int64)  # (b, t)
+            rows = (torch.cumsum(real, dim=1) + past_len) * real + self.pad
+            pos = self.positions.weights[rows]  # (b, t, D)
+        x = x + pos
+        return self.layernorm_embedding(x) if self.layernorm_embedding is not None else x
+
+    def sublayer(self, norm: nn.Module, x: torch.Tensor, fn) -> torch.Tensor:
+        """Residual around `fn`, with the family's norm before (pre-LN) or after the sum (post-LN)."""
+        if self.family.pre_norm:
+            return x + fn(norm(x))
+        return norm(x + fn(x))
+
+    def feed_forward(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.sublayer(layer.final_layer_norm, x, lambda h: layer.fc2(layer.activation_fn(layer.fc1(h))))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(x) if self.layer_norm is not None else x
+
+
+class EncoderWithCrossKV(_Stack):
     """input_ids, attention_mask -> encoder_hidden_states and every decoder layer's cross K/V."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, family: Family):
         super().__init__()
         encoder, decoder = model.model.encoder, model.model.decoder
-        self.embed_tokens = encoder.embed_tokens
-        self.embed_scale = float(encoder.embed_scale)
-        self.positions = encoder.embed_positions
-        self.layers = encoder.layers
+        self._init_stack(encoder, family, model.config.pad_token_id)
         self.cross_attn = nn.ModuleList(layer.encoder_attn for layer in decoder.layers)
         self.heads = model.config.encoder_attention_heads
         self.decoder_heads = model.config.decoder_attention_heads
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         # input_ids, attention_mask: (b, s) int64
-        seq_len = input_ids.shape[1]
-        x = self.embed_tokens(input_ids) * self.embed_scale + self.positions.weight[:seq_len]  # (b, s, D)
+        x = self.embed(input_ids, 0)  # (b, s, D)
         bias = _padding_bias(attention_mask, x.dtype)
         for layer in self.layers:
             attn = layer.self_attn
-            q = _split_heads(attn.q_proj(x), self.heads) * attn.scaling
-            k = _split_heads(attn.k_proj(x), self.heads)
-            v = _split_heads(attn.v_proj(x), self.heads)
-            x = layer.self_attn_layer_norm(x + attn.out_proj(_merge_heads(_attend(q, k, v, bias))))
-            x = layer.final_layer_norm(x + layer.fc2(layer.activation_fn(layer.fc1(x))))
+
+            def self_attention(h, attn=attn):
+                q = _split_heads(attn.q_proj(h), self.heads) * attn.scaling
+                k = _split_heads(attn.k_proj(h), self.heads)
+                v = _split_heads(attn.v_proj(h), self.heads)
+                return attn.out_proj(_merge_heads(_attend(q, k, v, bias)))
+
+            x = self.sublayer(layer.self_attn_layer_norm, x, self_attention)
+            x = self.feed_forward(layer, x)
+        x = self.finish(x)
         outputs = [x]  # (b, s, D)
         for attn in self.cross_attn:
             outputs.append(_split_heads(attn.k_proj(x), self.decoder_heads))  # (b, h, s, d)
@@ -74,7 +129,7 @@ class EncoderWithCrossKV(nn.Module):
         return tuple(outputs)
 
 
-class DecoderStepWithCache(nn.Module):
+class DecoderStepWithCache(_Stack):
     """One decoder step: the newest token plus caches -> logits and the grown self-attention cache.
 
     Inputs: input_ids (b, 1); encoder_attention_mask (b, s); then for each layer cross key, cross
@@ -83,15 +138,13 @@ class DecoderStepWithCache(nn.Module):
     layer present key, present value (b, h, p + 1, d).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, family: Family):
         super().__init__()
         decoder = model.model.decoder
-        self.embed_tokens = decoder.embed_tokens
-        self.embed_scale = float(decoder.embed_scale)
-        self.positions = decoder.embed_positions
-        self.layers = decoder.layers
+        self._init_stack(decoder, family, model.config.pad_token_id)
         self.lm_head = model.lm_head
-        self.register_buffer("final_logits_bias", model.final_logits_bias.detach().clone(), persistent=False)
+        bias = model.final_logits_bias.detach().clone() if family.logits_bias else None
+        self.register_buffer("final_logits_bias", bias, persistent=False)
         self.heads = model.config.decoder_attention_heads
         self.num_layers = len(decoder.layers)
 
@@ -100,24 +153,29 @@ class DecoderStepWithCache(nn.Module):
         cross, past = cache[: 2 * n], cache[2 * n :]
         past_len = past[0].shape[2]
         # The newest token sits at position p: the decoder never pads, all rows share one position.
-        x = self.embed_tokens(input_ids) * self.embed_scale + self.positions.weight[past_len : past_len + 1]
+        x = self.embed(input_ids, past_len)  # (b, 1, D)
         bias = _padding_bias(encoder_attention_mask, x.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q = _split_heads(attn.q_proj(x), self.heads) * attn.scaling
-            k = torch.cat([past[2 * i], _split_heads(attn.k_proj(x), self.heads)], dim=2)  # (b, h, p+1, d)
-            v = torch.cat([past[2 * i + 1], _split_heads(attn.v_proj(x), self.heads)], dim=2)
-            presents += [k, v]
-            # One query at the last position may see every cached position: no causal mask needed.
-            x = layer.self_attn_layer_norm(x + attn.out_proj(_merge_heads(_attend(q, k, v, None))))
-            attn = layer.encoder_attn
-            q = _split_heads(attn.q_proj(x), self.heads) * attn.scaling
-            x = layer.encoder_attn_layer_norm(
-                x + attn.out_proj(_merge_heads(_attend(q, cross[2 * i], cross[2 * i + 1], bias)))
-            )
-            x = layer.final_layer_norm(x + layer.fc2(layer.activation_fn(layer.fc1(x))))
-        logits = self.lm_head(x) + self.final_logits_bias  # (b, 1, V)
+
+            def self_attention(h, attn=layer.self_attn, i=i):
+                q = _split_heads(attn.q_proj(h), self.heads) * attn.scaling
+                k = torch.cat([past[2 * i], _split_heads(attn.k_proj(h), self.heads)], dim=2)  # (b, h, p+1, d)
+                v = torch.cat([past[2 * i + 1], _split_heads(attn.v_proj(h), self.heads)], dim=2)
+                presents.extend([k, v])
+                # One query at the last position may see every cached position: no causal mask needed.
+                return attn.out_proj(_merge_heads(_attend(q, k, v, None)))
+
+            def cross_attention(h, attn=layer.encoder_attn, i=i):
+                q = _split_heads(attn.q_proj(h), self.heads) * attn.scaling
+                return attn.out_proj(_merge_heads(_attend(q, cross[2 * i], cross[2 * i + 1], bias)))
+
+            x = self.sublayer(layer.self_attn_layer_norm, x, self_attention)
+            x = self.sublayer(layer.encoder_attn_layer_norm, x, cross_attention)
+            x = self.feed_forward(layer, x)
+        logits = self.lm_head(self.finish(x))  # (b, 1, V)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
         return (logits, *presents)
 
 
