@@ -1,0 +1,328 @@
+"""Model families beyond Marian (issue 15): M2M100/NLLB-200 and mBART-50, through the whole export
+and every backend, against transformers' own generate().
+
+Fixtures are built here from the corpus (`export.fixtures`: random weights, a sentencepiece model
+trained on data/, the family's language codes and transformers 5 tokenizer class), then *peaked*:
+random tiny weights give every token nearly the same log-prob, so generate()'s float32 sums tie and
+`torch.topk` breaks ties its own way, and every hypothesis runs to the length cap. A spread of
+per-token offsets with eos just below the best token (as tests/test_beam.py's `peaked`) makes the
+search, not tie-breaking, decide: mBART through its `final_logits_bias`; NLLB, which has no
+logits bias, through the decoder's final LayerNorm (its bias β, through the tied output layer W,
+adds W β to every step's logits).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends import SessionConfig, load_backends, load_manifest, memory_needs
+from backends.manifest import ManifestError
+from conftest import REPO, TRAIN_TSV, dev_sentences
+
+FP32 = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
+MAX_NEW = 40
+# (fixture, family, tokenizer class, source code, target code)
+CASES = {
+    "nllb-tiny": ("m2m_100", "NllbTokenizer", "eng_Latn", "zho_Hans"),
+    "mbart50-tiny": ("mbart", "MBart50Tokenizer", "en_XX", "zh_CN"),
+}
+
+
+def _peak(model) -> None:
+    """Spread the logits (std ~3) with eos 0.3 below the best token; see the module docstring."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        if hasattr(model, "final_logits_bias"):
+            bias = torch.randn(model.final_logits_bias.shape, generator=generator) * 3  # (1, V)
+            bias[0, eos] = bias.max() - 0.3
+            model.final_logits_bias.copy_(bias)
+            return
+        norm = model.model.decoder.layer_norm
+        w = model.lm_head.weight.double()  # (V, d), tied to the embedding
+        beta = torch.randn(w.shape[1], generator=generator, dtype=torch.float64)
+        beta *= 3 / float((w @ beta).std())
+        others = torch.ones(w.shape[0], dtype=torch.bool)
+        others[eos] = False
+        for _ in range(50):  # lift eos along its own row until it sits 0.3 below the best other token
+            logits = w @ beta
+            gap = float(logits[others].max() - 0.3 - logits[eos])
+            if abs(gap) < 1e-6:
+                break
+            beta += gap / float(w[eos] @ w[eos]) * w[eos]
+        norm.bias.copy_(beta.float())
+        norm.weight.mul_(10.0)  # keep the input's share of the logits visible next to the offsets
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family_model_dir(request, tmp_path_factory) -> Path:
+    import transformers
+
+    from export.fixtures import FAMILY_FIXTURES, build
+
+    name = request.param
+    folder = build(name, tmp_path_factory.mktemp("models") / name, corpus=TRAIN_TSV)
+    model = getattr(transformers, FAMILY_FIXTURES[name].architecture).from_pretrained(folder).eval()
+    _peak(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_export_dir(family_model_dir, tmp_path_factory) -> Path:
+    from export.pipeline import ExportOptions, export
+
+    out = tmp_path_factory.mktemp("exports") / family_model_dir.name
+    return export(str(family_model_dir), ExportOptions(out=out, threads=1), log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def family_backends(family_export_dir):
+    return load_backends(family_export_dir, session=SessionConfig(threads=1))
+
+
+class Generate:
+    """transformers' generate() on the fixture, with our tokenizer's exact input ids and the
+    sidecar's forced first token (the target language's code)."""
+
+    def __init__(self, model_dir: Path, backend):
+        import torch
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        torch.set_num_threads(1)
+        manifest = backend.manifest
+        self.model = getattr(transformers, manifest.architecture).from_pretrained(model_dir).eval()
+        self.backend = backend
+        self.eos = manifest.special.eos
+
+    def __call__(self, texts: list[str], greedy: bool, **options) -> list[list[int]]:
+        import torch
+
+        manifest = self.backend.manifest
+        batch = self.backend.tokenizer.encode(texts, manifest.max_source_tokens)
+        extra = {"num_beams": 1, "forced_eos_token_id": None} if greedy else {}
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=torch.from_numpy(batch.input_ids),
+                attention_mask=torch.from_numpy(batch.attention_mask),
+                do_sample=False,
+                forced_bos_token_id=manifest.generation.forced_bos_token_id,
+                max_new_tokens=MAX_NEW,
+                **extra,
+                **options,
+            )
+        rows = []
+        for row in out.tolist():
+            ids = row[1:]  # the decoder start excluded, as our token_ids
+            rows.append(ids[: ids.index(self.eos) + 1] if self.eos in ids else ids)
+        return rows
+
+
+@pytest.fixture(scope="module")
+def generate(family_model_dir, family_backends):
+    return Generate(family_model_dir, family_backends["pytorch"])
+
+
+# --- the export and its sidecar --------------------------------------------------------------------
+
+
+def test_export_verifies_every_fp32_graph_within_1e4(family_export_dir):
+    v = load_manifest(family_export_dir).data["verification"]
+    assert v["fp32_passed"] and v["failures"] == []
+    cases = {c["case"]: c for c in v["logits"]}
+    assert any("padded batch" in name for name in cases) and any("450 tokens" in name for name in cases)
+    for case in cases.values():
+        for graph in ("full", "kv_cache"):
+            assert case["max_abs_logit_diff"][graph] <= 1e-4, (case["case"], graph)
+    for label in ("greedy", "model_decoding"):
+        for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
+            r = v[label]["backends"][name]
+            assert r["identical_ids"] == v[label]["sentences"] == 16, (label, name)
+
+
+def test_the_sidecar_records_family_tokenizer_languages_and_forced_bos(family_export_dir, family_backends):
+    family, tokenizer_class, src, tgt = CASES[family_export_dir.name]
+    m = load_manifest(family_export_dir)
+    assert m.family == family and m.data["family"]["pre_norm"] is True
+    assert m.tokenizer_class == tokenizer_class and "tokenizer.json" in m.tokenizer_files
+    assert (m.languages["src_lang"], m.languages["tgt_lang"]) == (src, tgt)
+    tok = family_backends["pytorch"].tokenizer._tok
+    assert m.generation.forced_bos_token_id == m.languages["codes"][tgt] == tok.convert_tokens_to_ids(tgt)
+    assert (m.special.decoder_start, m.special.eos, m.special.pad) == (2, 2, 1)
+    beams = {"m2m_100": 4, "mbart": 5}[family]  # the fixture's generation config (mBART-50's own: 5)
+    assert m.generation.num_beams == beams
+    if family == "mbart":
+        assert m.generation.early_stopping is True and m.generation.forced_eos_token_id == 2
+    # the source starts with its language code, ends with eos
+    ids = family_backends["ort_fp32_kv_cache"].tokenizer.encode(["Hello world."], 64).input_ids[0].tolist()
+    assert ids[0] == tok.convert_tokens_to_ids(src) and ids[-1] == 2
+
+
+# --- every fp32 backend against generate() ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams"])
+def test_fp32_backends_are_token_identical_to_generate(family_backends, generate, mode):
+    texts = dev_sentences(10)
+    greedy = mode == "greedy"
+    expected = generate(texts, greedy=greedy)
+    forced = family_backends["pytorch"].manifest.generation.forced_bos_token_id
+    assert all(ids[0] == forced for ids in expected)
+    if not greedy:  # eos is a candidate at every step, so beams finish (greedy takes the best token)
+        assert min(len(ids) for ids in expected) < MAX_NEW, "every hypothesis ran to the cap: not peaked"
+    for name in FP32:
+        options = {"num_beams": 1} if greedy else {}
+        got = [t.token_ids for t in family_backends[name].translate(texts, max_new_tokens=MAX_NEW, **options)]
+        assert got == expected, f"{name} ({mode}) differs from generate()"
+
+
+def test_a_target_language_override_forces_its_code(family_export_dir, family_model_dir):
+    family, _, src, _ = CASES[family_export_dir.name]
+    other = {"m2m_100": "fra_Latn", "mbart": "fr_XX"}[family]
+    backends = load_backends(family_export_dir, names=("pytorch", "ort_fp32_kv_cache"), tgt_lang=other,
+                             session=SessionConfig(threads=1))
+    forced = backends["pytorch"].manifest.generation.forced_bos_token_id
+    assert forced == backends["pytorch"].tokenizer._tok.convert_tokens_to_ids(other)
+    texts = dev_sentences(3)
+    expected = Generate(family_model_dir, backends["pytorch"])(texts, greedy=True)
+    for name, backend in backends.items():
+        got = [t.token_ids for t in backend.translate(texts, max_new_tokens=MAX_NEW, num_beams=1)]
+        assert got == expected and all(ids[0] == forced for ids in got), name
+
+
+def test_unknown_language_codes_are_refused_with_the_known_ones(family_export_dir, family_model_dir, tmp_path):
+    from export.pipeline import ExportOptions, export
+    from export.source import SourceError
+
+    family, _, src, tgt = CASES[family_export_dir.name]
+    with pytest.raises(ValueError, match=rf"unknown target language 'klingon'; the tokenizer knows: .*{tgt}"):
+        load_backends(family_export_dir, names=("ort_fp32_kv_cache",), tgt_lang="klingon")
+    with pytest.raises(ValueError, match=rf"unknown source language 'xx'.*{src}"):
+        load_backends(family_export_dir, names=("ort_fp32_kv_cache",), src_lang="xx")
+    with pytest.raises(SourceError, match=rf"unknown target language 'klingon'; the tokenizer knows: .*{tgt}"):
+        export(str(family_model_dir), ExportOptions(out=tmp_path / "x", tgt_lang="klingon", verify=False),
+               log=lambda *a, **k: None)
+    assert not (tmp_path / "x").exists()
+
+
+def test_app_refuses_an_unknown_language_code(family_export_dir, capsys):
+    import app
+
+    code = app.main(["--model", str(family_export_dir), "--tgt-lang", "klingon", "--backends", "ort_fp32_kv_cache"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "unknown target language 'klingon'" in err and CASES[family_export_dir.name][3] in err
+
+
+def test_ort_path_imports_no_torch(family_export_dir):
+    code = (
+        "import sys; from backends import load_backends; "
+        f"b = load_backends({str(family_export_dir)!r}, names=('ort_fp32_single_step', 'ort_fp32_kv_cache', "
+        "'ort_fp16', 'ort_int8')); "
+        "[x.translate(['Hello world.'], max_new_tokens=4) for x in b.values()]; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_memory_needs_per_backend(family_export_dir):
+    needs = memory_needs(family_export_dir)
+    files = load_manifest(family_export_dir).data["files"]
+    assert needs["ort_fp32_kv_cache"] == files["encoder.onnx"]["bytes"] + files["decoder.onnx"]["bytes"]
+    assert 0 < needs["ort_int8"] < needs["ort_fp32_kv_cache"]
+    assert needs["pytorch"] > 0
+
+
+# --- bad sources, refused at export ---------------------------------------------------------------
+
+
+def test_a_tokenizer_that_does_not_match_the_vocabulary_is_refused(tmp_path):
+    import transformers
+
+    from export.fixtures import build
+    from export.pipeline import ExportOptions, export
+    from export.source import SourceError
+
+    folder = build("nllb-tiny", tmp_path / "m", corpus=TRAIN_TSV)
+    config = json.loads((folder / "config.json").read_text())
+    n = config["vocab_size"]
+    config.update(vocab_size=n - 10, pad_token_id=0)
+    model = transformers.M2M100ForConditionalGeneration(transformers.M2M100Config(**config))
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    with pytest.raises(SourceError) as e:
+        export(str(folder), ExportOptions(out=tmp_path / "x", verify=False), log=lambda *a, **k: None)
+    message = str(e.value)
+    assert f"the tokenizer has {n} ids but the model's vocabulary (embedding) has {n - 10}" in message
+    assert "pad id: tokenizer 1, model config 0" in message
+
+
+def test_unsupported_architectures_list_every_supported_family(tmp_path):
+    from export.source import SourceError, check_local_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    with pytest.raises(SourceError) as e:
+        check_local_folder(tmp_path)
+    for name in ("MarianMTModel", "M2M100ForConditionalGeneration", "MBartForConditionalGeneration"):
+        assert name in str(e.value)
+
+
+# --- external data ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def external_export_dir(tmp_path_factory) -> Path:
+    """nllb-tiny exported with every graph's weights in external data files, as a model over 2 GB is."""
+    from export.fixtures import build
+    from export.pipeline import ExportOptions, export
+
+    folder = build("nllb-tiny", tmp_path_factory.mktemp("models") / "nllb-ext", corpus=TRAIN_TSV)
+    out = tmp_path_factory.mktemp("exports") / "nllb-ext"
+    return export(str(folder), ExportOptions(out=out, threads=1, external_data=True), log=lambda *a, **k: None)
+
+
+def test_external_data_is_written_checksummed_and_loaded(external_export_dir):
+    m = load_manifest(external_export_dir)
+    assert m.data["verification"]["fp32_passed"]
+    for name, entry in m.data["graphs"].items():
+        assert entry["external_data"] == [entry["file"] + ".data"], name  # fp16 and int8 rewrites keep it
+        data = external_export_dir / entry["external_data"][0]
+        assert data.stat().st_size > 0 and m.data["files"][data.name]["bytes"] == data.stat().st_size
+    backends = load_backends(external_export_dir, session=SessionConfig(threads=1))
+    ids = {n: b.translate(dev_sentences(2), max_new_tokens=8, num_beams=1)[0].token_ids for n, b in backends.items()}
+    assert ids["ort_fp32_kv_cache"] == ids["ort_fp32_single_step"] == ids["pytorch"]
+
+
+def test_tampered_external_data_is_refused(external_export_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(external_export_dir, copy)
+    data = copy / "decoder.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit of one weight
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=r"decoder\.onnx\.data was modified after export"):
+        load_backends(copy, names=("ort_fp32_kv_cache",))
+    # the other backends' files are intact: they still load
+    assert load_backends(copy, names=("ort_int8",))["ort_int8"].translate(["Hi."], max_new_tokens=2)
+
+
+def test_stored_generate_options_are_the_families_own():
+    """What the fixtures copy from the published generation configs stays what the sidecar reads."""
+    from export.fixtures import FAMILY_FIXTURES
+
+    assert FAMILY_FIXTURES["mbart50-tiny"].generation == {
+        "max_length": 200, "num_beams": 5, "early_stopping": True, "forced_eos_token_id": 2}
+    shape = FAMILY_FIXTURES["nllb-600m-random"].config
+    assert (shape["d_model"], shape["encoder_layers"], shape["decoder_layers"], shape["vocab_size"],
+            shape["encoder_ffn_dim"], shape["encoder_attention_heads"]) == (1024, 12, 12, 256206, 4096, 16)
