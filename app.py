@@ -2,6 +2,7 @@
 
     python app.py                           # the embedded model (assets/marian-en-zh-small)
     python app.py --model PATH_OR_HUB_ID    # or MODEL_ID=...; an export folder is used as is
+    python app.py --model NLLB_FOLDER --src-lang eng_Latn --tgt-lang zho_Hans --backends pytorch,ort_int8
 
 The first start exports the model to exports/<name>; later starts reuse that export when the
 sidecar's checksums match. GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (default 7860) are honoured.
@@ -89,6 +90,41 @@ def prepare(model: str, export_dir: Path | None, threads: int | None) -> tuple[P
     return out, "reused: checksums match" if said and said[0].startswith("reusing") else "exported on this start"
 
 
+def available_memory() -> int | None:
+    """Bytes the system can still give without swapping (MemAvailable); None where unknown."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(export_dir: Path, names: tuple[str, ...], log=print) -> str | None:
+    """Say what each chosen backend needs before loading it; the refusal message when they do not
+    fit the memory available (None when they fit or it cannot be told)."""
+    from backends import memory_needs
+
+    needs = memory_needs(export_dir, names)
+    gb = 1e9
+    for name, need in needs.items():
+        log(f"backend {name}: needs at least {need / gb:.2f} GB (its weights)", flush=True)
+    total, available = sum(needs.values()), available_memory()
+    if available is not None and total > available:
+        each = ", ".join(f"{n} {b / gb:.2f} GB" for n, b in needs.items())
+        return (f"the chosen backends need at least {total / gb:.2f} GB ({each}) but only {available / gb:.2f} GB "
+                "is available: loading them would swap. Choose fewer with --backends (e.g. --backends "
+                "pytorch,ort_int8)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -112,7 +148,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-beams", type=int, default=limits.max_beams, help="widest beam search one request may ask for"
     )
+    parser.add_argument(
+        "--src-lang", default=None,
+        help="source language code for NLLB/M2M100/mBART-50 models (default: the export's, e.g. eng_Latn, en_XX)",
+    )
+    parser.add_argument(
+        "--tgt-lang", default=None,
+        help="target language code, forced as the first token (default: the export's Chinese: zho_Hans, zh, zh_CN)",
+    )
+    from backends import BACKEND_NAMES
+
+    parser.add_argument(
+        "--backends", default=",".join(BACKEND_NAMES),
+        help=f"comma-separated backends to load (default: all: {','.join(BACKEND_NAMES)})",
+    )
     args = parser.parse_args(argv)
+    names = tuple(n.strip() for n in args.backends.split(",") if n.strip())
+    unknown = [n for n in names if n not in BACKEND_NAMES]
+    if unknown or not names:
+        parser.error(f"--backends: unknown {', '.join(unknown) or '(none given)'}; expected any of: {', '.join(BACKEND_NAMES)}")
     limit_arenas()  # before gradio's worker threads allocate: see backends/memory.py
     try:
         limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds, max_beams=args.max_beams)
@@ -127,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         export_dir, note = prepare(args.model, args.export_dir, args.threads)
-        backends, errors = try_load_backends(export_dir, session=SessionConfig(threads=args.threads))
+        refusal = check_memory(export_dir, names)
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
+        backends, errors = try_load_backends(
+            export_dir, names, session=SessionConfig(threads=args.threads), src_lang=args.src_lang, tgt_lang=args.tgt_lang
+        )
         examples = read_examples(args.examples)
     except Exception as e:  # nothing can run without an export, a manifest and a tokenizer
         print(f"error: cannot start with model {args.model!r}: {type(e).__name__}: {e}", file=sys.stderr)

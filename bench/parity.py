@@ -19,24 +19,25 @@ from corpus import DEV_TSV, read_pairs
 
 class GenerateReference:
     """transformers' `generate()` on the export's source model, shaped like a backend for
-    `parity_report`: the same tokenizer, the same options, the sidecar's bad words. Greedy search
-    keeps our contract at the length cap (no forced eos; see backends/processors.py)."""
+    `parity_report`: the same tokenizer, the same options, the sidecar's bad words and forced
+    first token (the target language's code, for NLLB/M2M100/mBART-50). Greedy search keeps our
+    contract at the length cap (no forced eos; see backends/processors.py)."""
 
-    def __init__(self, export_dir: Path, threads: int | None):
+    def __init__(self, export_dir: Path, threads: int | None, src_lang: str | None = None, tgt_lang: str | None = None):
         import torch
         import transformers
-        from transformers import MarianMTModel
 
         from backends import load_manifest
         from backends.pytorch import source_model_of
-        from backends.tokenizer import MarianTokenizerWrapper
+        from backends.tokenizer import TokenizerWrapper
 
         if threads:
             torch.set_num_threads(threads)
         transformers.logging.set_verbosity_error()  # not one "max_new_tokens and max_length" warning per batch
-        self.manifest = load_manifest(export_dir)
-        self.model = MarianMTModel.from_pretrained(str(source_model_of(self.manifest))).eval()
-        self.tokenizer = MarianTokenizerWrapper(Path(export_dir))
+        self.manifest = load_manifest(export_dir).with_languages(src_lang, tgt_lang)
+        model_class = getattr(transformers, self.manifest.architecture)  # the family's own class
+        self.model = model_class.from_pretrained(str(source_model_of(self.manifest))).eval()
+        self.tokenizer = TokenizerWrapper(Path(export_dir), src_lang=(self.manifest.languages or {}).get("src_lang"))
 
     def translate(self, texts: list[str], *, top_k: int = 5, **decode) -> list:
         import torch
@@ -50,7 +51,8 @@ class GenerateReference:
                 input_ids=torch.from_numpy(batch.input_ids),
                 attention_mask=torch.from_numpy(batch.attention_mask),
                 do_sample=False,
-                bad_words_ids=[[i] for i in self.manifest.special.bad_words_ids],
+                bad_words_ids=[[i] for i in self.manifest.special.bad_words_ids] or None,
+                forced_bos_token_id=self.manifest.generation.forced_bos_token_id,
                 **({"forced_eos_token_id": None} if greedy else {}),
                 **options,
             )
@@ -71,6 +73,8 @@ def run(
     threads: int | None,
     names: tuple[str, ...] = BACKEND_NAMES,
     against_generate: bool = False,
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
     **decode,
 ) -> dict:
     """The report of `backends.divergence.parity_report` (the export's own greedy check, at a larger
@@ -79,9 +83,10 @@ def run(
     reference = "generate" if against_generate else REFERENCE
     if not against_generate and REFERENCE not in names:
         names = (REFERENCE, *names)
-    backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads))
+    languages = {"src_lang": src_lang, "tgt_lang": tgt_lang}
+    backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads), **languages)
     if against_generate:
-        backends = {"generate": GenerateReference(export_dir, threads), **backends}
+        backends = {"generate": GenerateReference(export_dir, threads, **languages), **backends}
     try:
         report = parity_report(backends, sentences, reference, batch_size, max_new_tokens=max_new_tokens, **decode)
     finally:
@@ -100,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--backends", default=",".join(BACKEND_NAMES), help="comma-separated; pytorch is always run")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--src-lang", default=None, help="source language code (NLLB/M2M100/mBART-50; default: the export's)")
+    parser.add_argument("--tgt-lang", default=None, help="target language code, forced first (default: the export's)")
     parser.add_argument("--num-beams", type=int, default=None, help="default: the export's (its model's generation config)")
     parser.add_argument("--length-penalty", type=float, default=None)
     parser.add_argument("--early-stopping", choices=("true", "false", "never"), default=None)
@@ -110,7 +117,8 @@ def main(argv=None) -> int:
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
     decode = {"num_beams": args.num_beams, "length_penalty": args.length_penalty, "early_stopping": early}
     decode = {k: v for k, v in decode.items() if v is not None}
-    report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names, args.generate, **decode)
+    report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names, args.generate,
+                 src_lang=args.src_lang, tgt_lang=args.tgt_lang, **decode)
     reference = "generate()" if args.generate else REFERENCE
     for name, r in report["backends"].items():
         print(
