@@ -130,6 +130,9 @@ def forced_drift(reference: ForcedScores, other: ForcedScores) -> dict[str, Any]
         "ref_token_prob": [_prob(lp) for lp in other.logprobs],
         "ref_token_prob_reference": [_prob(lp) for lp in reference.logprobs],
         "steps_not_argmax": [i for i, r in enumerate(other.ranks) if r != 0],
+        # Beam search and the logits processors often pick a token that is not top-1 (in PyTorch
+        # too), so "not argmax" alone is no drift; a top-1 that differs from PyTorch's is.
+        "steps_top1_differs": [int(s) for s in np.flatnonzero(a.argmax(axis=1) != b.argmax(axis=1))] if steps else [],
     }
 
 

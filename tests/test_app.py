@@ -118,7 +118,8 @@ def test_fp32_backends_agree_with_pytorch(result):
         d = b["divergence"]
         assert d["identical"] and d["first"] is None
         assert d["teacher_forced"]["max_abs_dlogit_overall"] < 1e-4
-        assert d["teacher_forced"]["steps_not_argmax"] == []
+        # beam search may pick non-top-1 tokens (in PyTorch too): the fp32 claim is the same top-1
+        assert d["teacher_forced"]["steps_top1_differs"] == []
     for name in APPROXIMATE:  # reduced precision drifts, measurably and finitely
         tf = result["backends"][name]["divergence"]["teacher_forced"]
         assert 0 < tf["max_abs_dlogit_overall"] < 50 and tf["non_finite_mismatch_steps"] == []

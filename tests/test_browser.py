@@ -79,6 +79,34 @@ def test_translate_shows_every_backend_divergence_and_latency(page, artifacts_di
     assert shot.stat().st_size > 50_000
 
 
+def test_beam_search_shows_each_backends_n_best_and_pytorchs_rank(page, artifacts_dir):
+    """Beam 3 picked in the decoding control: the status names it, and every backend's panel lists
+    its 3 final hypotheses with scores; the ORT panels say where PyTorch's best ranks."""
+    page.locator("#decoding input").click()
+    page.get_by_role("option", name="beam 3", exact=True).click()
+    page.locator("#input-text textarea").fill("The storm caused a lot of damage to the old houses.")
+    page.locator("#translate-btn").click()
+    # the status still holds the previous test's "Done:" until this run's first frame replaces it
+    page.wait_for_function(
+        "() => /3 beams.*Done:/s.test(document.querySelector('#status')?.innerText || '')", timeout=TIMEOUT_MS
+    )
+    assert "beam search, 3 beams" in _status(page) and "(chosen)" in _status(page), _status(page)
+    for name in BACKENDS:
+        summary = page.locator(f"#stats-{name} details.nbest summary").inner_text()
+        assert summary.startswith("3-best"), (name, summary)
+        rows = page.locator(f"#stats-{name} table.nbest tr").all()
+        assert len(rows) == 4, name  # header + 3 hypotheses
+        scores = [float(r.locator("td.num").text_content()) for r in rows[1:]]  # inside a closed <details>
+        assert scores == sorted(scores, reverse=True) and all(s < 0 for s in scores), (name, scores)
+    for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):  # fp32: the same beam as PyTorch
+        assert "PyTorch's best is this beam's best too" in page.locator(f"#stats-{name}").inner_text()
+    page.locator("#stats-ort_fp32_kv_cache details.nbest summary").click()
+    page.locator("#stats-ort_fp32_kv_cache table.nbest").wait_for()
+    page.screenshot(path=str(artifacts_dir / "app-beam.png"), full_page=True)
+    page.locator("#decoding input").click()  # back to the model's own decoding for the other tests
+    page.get_by_role("option", name="model default", exact=False).click()
+
+
 def test_enter_on_empty_input_shows_a_clear_message(page):
     box = page.locator("#input-text textarea")
     box.fill("   ")

@@ -198,7 +198,7 @@ CONTRACT = {
     },
     "teacher_forced": {
         "max_abs_dlogit", "max_abs_dlogit_overall", "non_finite_mismatch_steps", "ref_token_prob",
-        "ref_token_prob_reference", "ref_token_rank", "steps", "steps_not_argmax",
+        "ref_token_prob_reference", "ref_token_rank", "steps", "steps_not_argmax", "steps_top1_differs",
     },
     "runs": {"cold_ms", "max_ms", "median_ms", "min_ms", "n", "over", "spread_ms", "stdev_ms", "totals_ms"},
     "timings_ms": {"decode", "encode", "first_token", "per_token", "steps", "tokenize", "total"},
@@ -255,7 +255,7 @@ def test_controlled_flip_is_found_with_its_numbers(tiny_backends):
     assert d["alignment"][2]["op"] in ("changed", "extra")
     # forced on the reference's tokens, the drift sits at step 2 only, equal to the swapped gap
     tf = d["teacher_forced"]
-    assert tf["steps_not_argmax"] == [2] and tf["ref_token_rank"][2] == 1
+    assert tf["steps_not_argmax"] == [2] and tf["ref_token_rank"][2] == 1 and tf["steps_top1_differs"] == [2]
     others = [x for i, x in enumerate(tf["max_abs_dlogit"]) if i != 2]
     assert max(others) < 1e-4
     assert math.isclose(tf["max_abs_dlogit"][2], first["reference"]["margin_logprob"], rel_tol=1e-3)

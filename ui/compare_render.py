@@ -235,11 +235,11 @@ def divergence_html(out: dict) -> str:
         if "error" in tf:
             forced = f"teacher-forced: <span class='state-err'>{_e(tf['error'])}</span>"
         elif tf:
-            not_top = tf["steps_not_argmax"]
-            ranks = f"PyTorch's token is not top-1 at steps {not_top}" if not_top else "top-1 at every step"
+            not_top, differs = tf["steps_not_argmax"], tf.get("steps_top1_differs", [])
+            ranks = f"PyTorch's token is not top-1 at steps {not_top}" if not_top else "PyTorch's token is top-1 at every step"
+            top1 = f"top-1 differs from PyTorch's at steps {differs}" if differs else "the same top-1 as PyTorch at every step"
             forced = (
-                f"teacher-forced on PyTorch's tokens: max |Δlogit| {tf['max_abs_dlogit_overall']:.2e}; "
-                f"PyTorch's token: {ranks}"
+                f"teacher-forced on PyTorch's tokens: max |Δlogit| {tf['max_abs_dlogit_overall']:.2e}; {top1}; {ranks}"
             )
         else:
             forced = ""
