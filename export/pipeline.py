@@ -83,21 +83,50 @@ def versions() -> dict[str, str]:
     }
 
 
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float | None:
+    """This process's peak RSS (VmHWM) in MB since start or the last reset; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 class _Steps:
-    """Prints each step with its duration, as the user watches a long export."""
+    """Prints each step with its duration and peak RSS, as the user watches a long export.
+
+    Each step resets the process's peak RSS at its start (/proc/self/clear_refs) and reads it at its
+    end, so `peak_rss_mb[title]` is that step's own high-water mark, what it held from earlier steps
+    included; None where the kernel refuses the reset (the figure would be the whole run's peak)."""
 
     def __init__(self, total: int, log=print):
         self.total, self.n, self.log = total, 0, log
         self.durations: dict[str, float] = {}
+        self.peak_rss_mb: dict[str, float | None] = {}
 
     def run(self, title: str, fn, *args, **kwargs):
         self.n += 1
         self.log(f"[{self.n}/{self.total}] {title} ...", flush=True)
+        reset = _reset_peak_rss()
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
+        peak = _peak_rss_mb() if reset else None
         self.durations[title] = round(seconds, 2)
-        self.log(f"[{self.n}/{self.total}] {title}: done in {seconds:.1f} s", flush=True)
+        self.peak_rss_mb[title] = peak
+        memory = "" if peak is None else f", peak RSS {peak / 1024:.2f} GB"
+        self.log(f"[{self.n}/{self.total}] {title}: done in {seconds:.1f} s{memory}", flush=True)
         return result
 
 
@@ -169,6 +198,10 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     out = Path(options.out)
     if out.exists() and not options.force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    if options.threads:  # torch's too, as --threads says: tracing and the reference run on it
+        import torch
+
+        torch.set_num_threads(options.threads)
     steps = _Steps(8 if options.verify else 7, log)
     model, tokenizer, source, family, languages = steps.run(
         f"load {src}", load_source, src, options.src_lang, options.tgt_lang
@@ -279,6 +312,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             "versions": versions(),
             "verification": None,
             "export_seconds": None,
+            # Each step's own peak RSS (VmHWM, reset at the step's start; see _Steps).
+            "export_peak_rss_mb": None,
             "files": {},
         }
 
@@ -323,6 +358,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 tmp.rename(rejected)
                 raise VerificationFailed(result["failures"], rejected)
         manifest["export_seconds"] = steps.durations
+        manifest["export_peak_rss_mb"] = steps.peak_rss_mb
         steps.run("write manifest.json and move into place", write_manifest)
         if out.exists():
             shutil.rmtree(out)

@@ -326,3 +326,29 @@ def test_stored_generate_options_are_the_families_own():
     shape = FAMILY_FIXTURES["nllb-600m-random"].config
     assert (shape["d_model"], shape["encoder_layers"], shape["decoder_layers"], shape["vocab_size"],
             shape["encoder_ffn_dim"], shape["encoder_attention_heads"]) == (1024, 12, 12, 256206, 4096, 16)
+
+
+def test_each_export_step_records_its_own_peak_rss():
+    """The step runner resets the peak RSS at each step's start: a step's figure is its own high-water
+    mark, not the run's so far (the sidecar's export_peak_rss_mb, next to export_seconds)."""
+    from export.pipeline import _Steps
+
+    steps = _Steps(3, log=lambda *a, **k: None)
+    steps.run("small", lambda: None)
+
+    def big():
+        block = bytearray(256 * 2**20)
+        block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+        return len(block)
+
+    steps.run("big", big)
+    steps.run("after", lambda: None)
+    peak = steps.peak_rss_mb
+    assert list(peak) == list(steps.durations) == ["small", "big", "after"]
+    assert peak["big"] - peak["small"] > 200 and peak["after"] < peak["big"] - 200, peak
+
+
+def test_the_sidecar_records_each_steps_peak_rss(external_export_dir):
+    data = load_manifest(external_export_dir).data
+    assert set(data["export_peak_rss_mb"]) == set(data["export_seconds"])
+    assert all(mb > 0 for mb in data["export_peak_rss_mb"].values()), data["export_peak_rss_mb"]
