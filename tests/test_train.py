@@ -152,6 +152,8 @@ def test_batches_respect_token_budget_and_shift():
 def test_inverse_sqrt_schedule():
     f = loop.inverse_sqrt(100)
     assert f(50) == pytest.approx(0.5) and f(100) == pytest.approx(1.0) and f(400) == pytest.approx(0.5)
+    # a warm start continues the source run's schedule: step 0 of it is step 300 of the source
+    assert loop.inverse_sqrt(100, offset=300)(100) == pytest.approx(f(400))
 
 
 # -- a tiny end-to-end run ----------------------------------------------------------------
@@ -222,6 +224,20 @@ def test_training_cli_and_resume(tmp_path):
     assert json.loads((run / "curve.json").read_text()) == rows
     assert score_run(run, corpus / "dev.tsv") == rows  # already scored: nothing redone
     assert curve_table(rows).count("\n") == 3
+
+    # A warm start from that model: its weights, size and tokenizer, a fresh optimizer, and the
+    # learning rate continuing its schedule (step 0 here is step 6 there).
+    warm_out, warm_run = tmp_path / "warm", tmp_path / "warm-run"
+    main(["--out", str(warm_out), "--train", str(corpus / "train.tsv"), "--dev", str(corpus / "dev.tsv"),
+          "--run-dir", str(warm_run), "--init-from", str(out), "--schedule-offset", "6", "--warmup", "2",
+          "--lr", "1e-3", "--max-steps", "1", "--no-eval", "--dev-subset", "2", "--checkpoint-minutes", "100"])
+    assert MarianTokenizer.from_pretrained(str(warm_out)).get_vocab() == tok.get_vocab()
+    warm = MarianMTModel.from_pretrained(str(warm_out))
+    assert count_parameters(warm) == summary["parameters"]
+    log = (warm_run / "train.log").read_text()
+    assert f"warm start from {out}" in log
+    state = torch.load(warm_run / "checkpoint-latest.pt", weights_only=False)
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-3 * (2 / 7) ** 0.5)  # step 1 + 6
 
 
 def test_training_cli_rejects_bad_decoding(capsys):

@@ -40,6 +40,11 @@ def parse_args(argv=None):
     p.add_argument("--dev", type=Path, default=DEV_TSV, help="dev pairs TSV for selection and scores (default data/dev.tsv)")
     p.add_argument("--run-dir", type=Path, default=None, help="work files; default runs/<out folder name>")
     p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="warm start: weights, size and tokenizer of this Marian folder (e.g. the shipped model), "
+                   "fresh optimizer; with --schedule-offset N the lr schedule continues from step N")
+    p.add_argument("--schedule-offset", type=int, default=0,
+                   help="with --init-from: steps the source model already trained (its schedule resumes there)")
     p.add_argument("--max-minutes", type=float, default=t.max_minutes, help="training wall-time budget (≤ 90)")
     p.add_argument("--max-steps", type=int, default=t.max_steps, help="total step limit, 0 = none")
     p.add_argument("--checkpoint-minutes", type=float, default=t.checkpoint_minutes)
@@ -65,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument("--threads", type=int, default=t.threads)
     args = p.parse_args(argv)
+    if args.schedule_offset and not args.init_from:
+        p.error("--schedule-offset continues a warm start's schedule: it needs --init-from")
+    if args.init_from and not (args.init_from / "config.json").is_file():
+        p.error(f"--init-from {args.init_from}: no config.json there (a Marian model folder, e.g. assets/marian-en-zh-small)")
     if not 0 < args.max_minutes <= 90:
         p.error("--max-minutes must be in (0, 90]: one run must fit the 90-minute budget; use --resume")
     try:
@@ -108,7 +117,8 @@ def _run(args, run_dir: Path, argv) -> None:
     opts = TrainOptions(max_tokens=args.max_tokens, lr=lr, warmup=args.warmup,
                         label_smoothing=args.label_smoothing, max_minutes=args.max_minutes,
                         max_steps=args.max_steps, checkpoint_minutes=args.checkpoint_minutes,
-                        dev_subset=args.dev_subset, seed=args.seed, threads=args.threads)
+                        dev_subset=args.dev_subset, seed=args.seed, threads=args.threads,
+                        schedule_offset=args.schedule_offset)
     size = ModelSize(d_model=args.d_model, heads=args.heads, ffn=args.ffn,
                      encoder_layers=args.encoder_layers, decoder_layers=args.decoder_layers)
     import transformers
@@ -131,6 +141,10 @@ def _run(args, run_dir: Path, argv) -> None:
     if args.resume and (tok_dir / "vocab.json").exists():
         tok = MarianTokenizer.from_pretrained(str(tok_dir))
         check_tokenizer(tok, tok_samples)
+    elif args.init_from:  # the warm start's own pieces: its embeddings are indexed by them
+        tok = MarianTokenizer.from_pretrained(str(args.init_from))
+        check_tokenizer(tok, tok_samples)
+        tok.save_pretrained(str(tok_dir))
     else:
         src = train_spm([p.en for p in pairs], run_dir / "spm" / "source", args.src_vocab, 1.0)
         # 0.9995 leaves the rarest Chinese characters (mostly names) to <unk> instead of spending ids.
@@ -144,7 +158,16 @@ def _run(args, run_dir: Path, argv) -> None:
     logger.info("encoded %d pairs (%d dropped > %d tokens); %d source / %d target tokens",
                 len(encoded), len(pairs) - len(encoded), opts.max_len, n_src, n_tgt)
 
-    model = build_model(len(tok.get_vocab()), size, seed=opts.seed)
+    if args.init_from:
+        from transformers import MarianMTModel
+
+        model = MarianMTModel.from_pretrained(str(args.init_from))
+        c = model.config
+        size = ModelSize(d_model=c.d_model, heads=c.encoder_attention_heads, ffn=c.encoder_ffn_dim,
+                         encoder_layers=c.encoder_layers, decoder_layers=c.decoder_layers)
+        logger.info("warm start from %s (schedule continues at step %d)", args.init_from, opts.schedule_offset)
+    else:
+        model = build_model(len(tok.get_vocab()), size, seed=opts.seed)
     model.config.to_json_file(str(run_dir / "config.json"))  # for `python -m train.curve RUN_DIR`
     n_params = count_parameters(model)
     logger.info("model: %s, %d parameters", asdict(size), n_params)

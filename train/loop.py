@@ -35,6 +35,9 @@ class TrainOptions:
     # Also keep each checkpoint's weights as snapshots/step-N.pt (model only: 96 MB at v2's size),
     # so `python -m train.curve RUN_DIR` can score the learning curve on all of dev afterwards.
     keep_snapshots: bool = True
+    # Steps a warm start (`--init-from`) already trained: the schedule continues from there instead
+    # of warming up again, so a continued model resumes at the learning rate it stopped at.
+    schedule_offset: int = 0
     seed: int = 1234
     # One thread: with other work on the 2 cores, 2 threads measured 3-4x slower (oversubscription).
     threads: int = 1
@@ -87,9 +90,9 @@ def collate(encoded, idx: list[int], pad: int):
     return input_ids, input_ids.ne(pad).long(), dec_in, labels
 
 
-def inverse_sqrt(warmup: int):
+def inverse_sqrt(warmup: int, offset: int = 0):
     def factor(step: int) -> float:
-        step = max(step, 1)
+        step = max(step + offset, 1)
         return min(step / warmup, math.sqrt(warmup / step))
     return factor
 
@@ -102,7 +105,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=opts.lr, betas=(0.9, 0.98), eps=1e-9, weight_decay=opts.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, inverse_sqrt(opts.warmup))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, inverse_sqrt(opts.warmup, opts.schedule_offset))
         self.step, self.epoch, self.batch_pos = 0, 0, 0
         self.best_bleu, self.history = -1.0, []
         self.train_seconds = 0.0
@@ -149,7 +152,7 @@ class Trainer:
             # An explicit --lr on resume re-bases the schedule: the same shape, a new peak.
             logger.info("re-basing peak lr %.2e -> %.2e", self.scheduler.base_lrs[0], self.opts.lr)
             self.scheduler.base_lrs = [self.opts.lr for _ in self.optimizer.param_groups]
-            factor = inverse_sqrt(self.opts.warmup)(self.step)
+            factor = inverse_sqrt(self.opts.warmup, self.opts.schedule_offset)(self.step)
             for group in self.optimizer.param_groups:
                 group["initial_lr"] = self.opts.lr
                 group["lr"] = self.opts.lr * factor
