@@ -1,6 +1,7 @@
 """python -m bench {speed,quality}: the benchmarks, one command each, results as files.
 
-  python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--peers] [--quick] [--out DIR]
+  python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--num-beams N|model]
+                          [--peers] [--quick] [--out DIR]
   python -m bench quality [--model DIR] [--input FILE|DIR] [--sentences N] [--engine local|ray [--address A] [--actors N]] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
@@ -29,6 +30,22 @@ def _ints(value: str) -> tuple[int, ...]:
     return tuple(int(v) for v in _csv(value))
 
 
+def _num_beams(value: str) -> int | str:
+    """--num-beams: 1 (greedy) to MAX_BEAMS, or 'model' (the export's generation config)."""
+    from backends import MAX_BEAMS
+
+    if value.strip().lower() == "model":
+        return "model"
+    try:
+        beams = int(value)
+    except ValueError:
+        beams = None
+    if beams is None or not 1 <= beams <= MAX_BEAMS:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_BEAMS} (1: greedy search) or 'model' "
+                                         f"(the export's generation config), got {value!r}")
+    return beams
+
+
 def _default_out(command: str, export_dir: Path) -> Path:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return RESULTS / f"{command}-{export_dir.name}-{stamp}"
@@ -39,8 +56,23 @@ def speed(args) -> int:
 
     from . import speed as speed_mod
 
+    def check(beams: int) -> None:  # before any work: the export, when --model needs one, takes minutes
+        if beams > 1 and args.sweep:
+            raise ValueError(f"--sweep {','.join(map(str, args.sweep))}: {speed_mod.SWEEP_IS_GREEDY.format(n=beams)}; "
+                             "drop --sweep (with beam search it is skipped) or --num-beams")
+        if beams == 1 and (args.length_penalty is not None or args.early_stopping is not None):
+            raise ValueError("--length-penalty and --early-stopping apply to beam search only: add --num-beams N (N > 1)"
+                             + (" (the export's generation config has num_beams 1)" if args.num_beams == "model" else ""))
+
+    if args.num_beams != "model":
+        check(args.num_beams)
     pairs = sentences_arg(args.sentences)
     export_dir = resolve_model(args.model, threads=args.threads)
+    from backends import load_manifest
+
+    decoding = speed_mod.resolve_decoding(load_manifest(export_dir), args.num_beams, args.length_penalty,
+                                          args.early_stopping)
+    check(decoding["num_beams"])
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
                   warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor,
                   rounds=args.rounds)
@@ -58,9 +90,11 @@ def speed(args) -> int:
     if args.peers:
         peers = args.peer_list or list(peers_mod.PEER_NAMES)
     out = args.out or _default_out("speed", export_dir)
-    print(f"benchmarking {export_dir} on {len(pairs)} sentences -> {out}", flush=True)
+    print(f"benchmarking {export_dir} on {len(pairs)} sentences, {decoding['label']} -> {out}", flush=True)
     results = speed_mod.run(export_dir, pairs, options, out, backend_names=args.backends, peer_names=peers,
-                            peer_python=args.peer_python, log=lambda m: print(m, flush=True))
+                            peer_python=args.peer_python, log=lambda m: print(m, flush=True),
+                            num_beams=args.num_beams,
+                            length_penalty=args.length_penalty, early_stopping=args.early_stopping)
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {out / p}" for p in results.get("plots", [])))
     return 1 if results["failed"] else 0
 
@@ -173,6 +207,14 @@ def main(argv=None) -> int:
     sp.add_argument("--batch-sizes", type=_ints, help="default 8,32")
     sp.add_argument("--sweep", type=lambda v: _ints(v) if v else (), help="forced lengths (default 8,16,32,64,128; '' = none)")
     sp.add_argument("--sweep-peers", action="store_true", help="run the length sweep for the peers too")
+    sp.add_argument("--num-beams", type=_num_beams, default=1,
+                    help="every runtime, ours and the peers: 1 = greedy search (the default), 2..16 = beam search "
+                    "with that many beams, 'model' = the export's generation config. With beam search the length "
+                    "sweep (a greedy measurement) is not run")
+    sp.add_argument("--length-penalty", type=float, help="beam search only (default: the export's generation config)")
+    sp.add_argument("--early-stopping", type=peers_mod.early_stopping_arg,
+                    help="beam search only: true, false or never (default: the export's generation config; "
+                    "CTranslate2 has no such option)")
     sp.add_argument("--max-new-tokens", type=int, default=256, help="cap when lengths are not forced")
     sp.add_argument("--warmup", type=int, default=3)
     sp.add_argument("--timeout", type=int, default=3600, help="seconds per runtime")

@@ -1,12 +1,12 @@
 """The runtimes a user would pick instead of ours, timed by the same protocol in the same run.
 
-- `transformers`: `MarianMTModel.generate` (PyTorch eager, greedy), in the project's own environment.
+- `transformers`: `MarianMTModel.generate` (PyTorch eager), in the project's own environment.
 - `optimum_fp32`: Hugging Face Optimum's `ORTModelForSeq2SeqLM` over its own export
   (`optimum-cli export onnx --task text2text-generation-with-past`, merged decoder with past).
 - `optimum_int8`: the same, its encoder and merged decoder quantized by Optimum's `ORTQuantizer`
   (dynamic int8, `AutoQuantizationConfig.avx512_vnni` or `.avx2` after the CPU's flags).
 - `ct2_float32`, `ct2_int8`: CTranslate2 `Translator` over the output of `ct2-transformers-converter`'s
-  own Marian loader (`--quantization float32` / `int8`), greedy (`beam_size=1`), run through
+  own Marian loader (`--quantization float32` / `int8`), `translate_batch(beam_size=N)`, run through
   `python -m bench.peers ct2-convert`: when the model's `<pad>` (decoder start) embedding is not zero it
   keeps that row, as transformers does, instead of the stock converter's zero start (see `ct2_convert`).
 
@@ -17,6 +17,14 @@ environment, `.venv-bench` (`make bench-venv`, from requirements-bench.txt). The
 subprocess of that environment: `python -m bench.peers worker ...`, which imports only this module
 and the measurement protocol (service/protocol.py, loaded by path: `bench/protocol.py` says why),
 and writes its results as JSON.
+
+Decoding: `--num-beams N` (default 1, greedy) on the worker's command line, as `python -m bench speed
+--num-beams N` passes it. transformers and Optimum call `generate(num_beams=N, do_sample=False)` and
+take length_penalty / early_stopping from the model folder's generation config unless
+`--length-penalty` / `--early-stopping` are given; CTranslate2 runs `beam_size=N` with the given
+length_penalty (it reads no generation config) and its own stopping rule (patience 1). CTranslate2
+scores hypotheses its own way, so at N > 1 its outputs are compared as agreement, never expected
+identical.
 """
 
 from __future__ import annotations
@@ -38,6 +46,15 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 PEER_CACHE = REPO / "exports" / "peers"
 CT2_RECIPE = "bench.peers ct2-convert v2 (learned decoder start kept)"
+EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+
+
+def early_stopping_arg(value: str) -> bool | str:
+    """--early-stopping: true, false or never (generate()'s three settings)."""
+    try:
+        return EARLY_STOPPING[value.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected one of: {', '.join(EARLY_STOPPING)}; got {value!r}") from None
 
 
 # --- parent side: conversions ------------------------------------------------------------------
@@ -134,23 +151,33 @@ def tokenization_mismatches(tokenizer, spec: Spec) -> list[int]:
     return [i for i, (s, ids) in enumerate(zip(spec.sentences, spec.source_ids)) if tokenizer(s).input_ids != ids]
 
 
-class _HFGenerate:
-    """Shared by transformers and Optimum: MarianTokenizer + `generate`, greedy."""
+def generate_kwargs(decode: dict | None) -> dict:
+    """generate()'s search options for a `decode` dict (num_beams, and length_penalty / early_stopping
+    only when given: otherwise the model folder's generation config applies, as it does for our backends)."""
+    decode = dict(decode or {})
+    beams = int(decode.pop("num_beams", 1))
+    kwargs = {"num_beams": beams, "do_sample": False, "num_return_sequences": 1, **decode}
+    if beams == 1:
+        # The config's forced_eos_token_id would replace the last token with eos when the cap is reached;
+        # our backends' greedy search does not, so it is off to keep outputs comparable. In beam search
+        # our backends force it as generate() does, so there the config's value applies.
+        kwargs["forced_eos_token_id"] = None
+    return kwargs
 
-    def __init__(self, model, tokenizer):
+
+class _HFGenerate:
+    """Shared by transformers and Optimum: MarianTokenizer + `generate` (greedy, or beam search)."""
+
+    def __init__(self, model, tokenizer, decode: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
+        self.kwargs = generate_kwargs(decode)
 
     def translate(self, texts, max_new_tokens, min_new_tokens):
         import torch
 
         batch = self.tokenizer(texts, return_tensors="pt", padding=True)
         with torch.inference_mode():
-            out = self.model.generate(
-                **batch, num_beams=1, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                # The config's forced_eos_token_id would replace the last token with eos when the cap is
-                # reached; no other runtime here does that, so it is off to keep outputs comparable.
-                forced_eos_token_id=None,
-            )
+            out = self.model.generate(**batch, **self.kwargs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
         pad, eos = self.model.config.pad_token_id, self.model.config.eos_token_id
         results = []
         for row in out[:, 1:].tolist():  # drop the decoder start token
@@ -165,19 +192,30 @@ class _HFGenerate:
         return results
 
 
+def ct2_kwargs(decode: dict | None) -> dict:
+    """translate_batch's search options: beam_size, and length_penalty when given (early_stopping has no
+    CTranslate2 equivalent: its patience stays 1)."""
+    decode = decode or {}
+    kwargs = {"beam_size": int(decode.get("num_beams", 1))}
+    if decode.get("length_penalty") is not None:
+        kwargs["length_penalty"] = float(decode["length_penalty"])
+    return kwargs
+
+
 class _CT2:
-    def __init__(self, model_dir: str, tokenizer, threads: int, compute_type: str):
+    def __init__(self, model_dir: str, tokenizer, threads: int, compute_type: str, decode: dict | None = None):
         import ctranslate2
 
         self.translator = ctranslate2.Translator(
             model_dir, device="cpu", compute_type=compute_type, intra_threads=threads, inter_threads=1
         )
         self.tokenizer = tokenizer
+        self.kwargs = ct2_kwargs(decode)
 
     def translate(self, texts, max_new_tokens, min_new_tokens):
         source = [self.tokenizer.convert_ids_to_tokens(ids) for ids in self.tokenizer(texts).input_ids]
         results = self.translator.translate_batch(
-            source, beam_size=1, max_decoding_length=max_new_tokens, min_decoding_length=min_new_tokens,
+            source, **self.kwargs, max_decoding_length=max_new_tokens, min_decoding_length=min_new_tokens,
             return_end_token=True,
         )
         outs = []
@@ -199,8 +237,9 @@ def _versions(*packages: str) -> dict[str, str]:
     return out
 
 
-def load_peer(peer: str, model_dir: str, source: str, threads: int) -> tuple[object, dict]:
-    """(runtime, info); imports of the runtime library happen before this is timed."""
+def load_peer(peer: str, model_dir: str, source: str, threads: int, decode: dict | None = None) -> tuple[object, dict]:
+    """(runtime, info); imports of the runtime library happen before this is timed. `decode`: num_beams
+    (default 1, greedy) and, when given, length_penalty / early_stopping."""
     from transformers import MarianTokenizer
 
     tokenizer = MarianTokenizer.from_pretrained(source)
@@ -213,7 +252,7 @@ def load_peer(peer: str, model_dir: str, source: str, threads: int) -> tuple[obj
         info = {"runtime": f"transformers {_versions('transformers')['transformers']} generate, PyTorch {torch.__version__} eager",
                 "precision": "fp32", "files": ["model.safetensors"]}
         size = _dir_bytes(Path(model_dir), "model.safetensors") or _dir_bytes(Path(model_dir), "pytorch_model.bin")
-        return _HFGenerate(model, tokenizer), {**info, "size_bytes": size}
+        return _HFGenerate(model, tokenizer, decode), {**info, "size_bytes": size}
     if peer in ("optimum_fp32", "optimum_int8"):
         import onnxruntime as ort
         import torch
@@ -237,10 +276,10 @@ def load_peer(peer: str, model_dir: str, source: str, threads: int) -> tuple[obj
         q = Path(model_dir) / "bench-quantization.json"
         if q.is_file():
             info["quantization"] = json.loads(q.read_text())
-        return _HFGenerate(model, tokenizer), {**info, "size_bytes": size}
+        return _HFGenerate(model, tokenizer, decode), {**info, "size_bytes": size}
     if peer in ("ct2_float32", "ct2_int8"):
         compute = peer.split("_")[1]
-        runtime = _CT2(model_dir, tokenizer, threads, compute)
+        runtime = _CT2(model_dir, tokenizer, threads, compute, decode)
         v = _versions("ctranslate2")
         info = {"runtime": f"CTranslate2 {v.get('ctranslate2')}", "precision": compute, "files": ["model.bin"],
                 "size_bytes": _dir_bytes(Path(model_dir), "model.bin")}
@@ -269,7 +308,15 @@ def worker(argv=None) -> int:
     parser.add_argument("--source", required=True, help="the MarianMT folder (its tokenizer)")
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--num-beams", type=int, default=1, help="1: greedy search (the default)")
+    parser.add_argument("--length-penalty", type=float, help="beam search; default: the model's generation config")
+    parser.add_argument("--early-stopping", type=early_stopping_arg, help="beam search (not CTranslate2): true, false or never")
     args = parser.parse_args(argv)
+    if args.num_beams < 1:
+        parser.error(f"--num-beams must be at least 1, got {args.num_beams}")
+    decode = {"num_beams": args.num_beams}
+    decode.update({k: v for k, v in (("length_penalty", args.length_penalty), ("early_stopping", args.early_stopping))
+                   if v is not None})
     spec = Spec.load(args.spec)
     _threads_env(spec.threads)
     start = time.perf_counter()
@@ -277,9 +324,10 @@ def worker(argv=None) -> int:
     import_s = time.perf_counter() - start
     rss_before = rss_mb()
     start = time.perf_counter()
-    runtime, info = load_peer(args.peer, args.model_dir, args.source, spec.threads)
+    runtime, info = load_peer(args.peer, args.model_dir, args.source, spec.threads, decode)
     load_s = time.perf_counter() - start
-    result = {"name": args.peer, "kind": "peer", "info": {**info, "threads": spec.threads},
+    result = {"name": args.peer, "kind": "peer", "info": {**info, "threads": spec.threads}, "decoding": decode,
+              "call": runtime.kwargs,
               "import_s": import_s, "load_s": load_s, "rss_before_load_mb": rss_before,
               "rss_after_load_mb": rss_mb(), "size_bytes": info["size_bytes"],
               "versions": _versions("transformers", "torch", "optimum", "optimum-onnx", "onnxruntime", "ctranslate2", "numpy")}

@@ -92,8 +92,14 @@ def readme_table(results: dict) -> str:
     rt, o, e = results["runtimes"], results["options"], results["environment"]
     big = str(o["batch_sizes"][-1])
     quality = any("quality_vs_references" in r.get("comparison", {}) for r in rt.values())
-    head = ["runtime", "batch-1 p50 ms", "ms/token", "vs PyTorch", f"batch-{big} sent/s", "vs PyTorch",
-            "peak RSS MB", "size MB", "identical to PyTorch"] + (["BLEU", "chrF"] if quality else [])
+    # Runs from before --num-beams recorded no decoding: every runtime ran greedy search then.
+    d = results.get("decoding") or {"search": "greedy", "num_beams": 1}
+    beam = d["search"] == "beam"
+    ct2 = "; CTranslate2 scores its own way: agreement, not identity" if any(n.startswith("ct2") for n in rt) else ""
+    search = (f"beam search with {d['num_beams']} beams (length_penalty {d['length_penalty']}, early_stopping "
+              f"{d['early_stopping']}{ct2})" if beam else "greedy search")
+    head = [f"runtime, beam {d['num_beams']}" if beam else "runtime", "batch-1 p50 ms", "ms/token", "vs PyTorch",
+            f"batch-{big} sent/s", "vs PyTorch", "peak RSS MB", "size MB", "identical to PyTorch"] + (["BLEU", "chrF"] if quality else [])
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name, r in rt.items():
         c, t = r.get("comparison", {}), r["throughput"].get(big, {})
@@ -110,7 +116,7 @@ def readme_table(results: dict) -> str:
     forced = f"{o['forced_tokens']} forced output tokens" if o.get("forced_tokens") else "decoding to eos"
     lines += ["", f"{e['date_utc']}, {e['cpu']}, {e['threads']} threads, load average {e.get('load_average_1m_at_start')}"
               f"→{e.get('load_average_1m_at_end', '–')}; {s['latency_sentences']} sentences at batch 1, "
-              f"{s['throughput_sentences']} at batch {big}, {forced}"
+              f"{s['throughput_sentences']} at batch {big}, {forced}, {search}"
               + (f", medians of {o['rounds']} rounds run round-robin" if o.get("rounds", 1) > 1 else "") + "; "
               + ", ".join(f"{k} {v}" for k, v in e["versions"].items() if k in ("onnxruntime", "torch", "transformers"))
               + (", " + ", ".join(f"{k} {v}" for k, v in e["peer_environment"]["versions"].items()

@@ -7,7 +7,9 @@ sizes, threads and forced lengths. See bench/README.md for what is timed and wha
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,10 +35,81 @@ WHAT_IS_TIMED = (
     "decoder step, the runtime's search loop and detokenization. Excluded: process start, imports and "
     "model loading (reported separately as load time, which for our backends includes the sha256 check "
     "of the graph files), and the warm-up calls (the first few single sentences and one batch per batch "
-    "size). Greedy search for every runtime. Each runtime runs alone in its own process; peak RSS is that "
+    "size). {search} Each runtime runs alone in its own process; peak RSS is that "
     "process's maximum resident memory over the whole run (load, warm-up, batch 1 and the largest batch), "
     "so it includes the Python interpreter and the runtime library."
 )
+
+SWEEP_IS_GREEDY = (
+    "the output-length sweep measures the per-step cost of greedy search at batch 1; it is not run with "
+    "num_beams {n} (run `python -m bench speed --sweep ...` without --num-beams for it)"
+)
+
+
+def resolve_decoding(manifest, num_beams: int | str = 1, length_penalty: float | None = None,
+                     early_stopping: bool | str | None = None) -> dict:
+    """The search every runtime runs, as results.json records it under "decoding".
+
+    num_beams: 1 (greedy), 2..MAX_BEAMS (beam search), or "model": the export's generation config.
+    length_penalty / early_stopping: beam search only; None leaves the export's generation config
+    to decide (our backends and transformers/Optimum read the same config), and the effective
+    value is recorded. Raises ValueError naming the valid range.
+    """
+    from backends import MAX_BEAMS
+
+    g = manifest.generation
+    from_model = num_beams == "model"
+    beams = g.num_beams if from_model else num_beams
+    if isinstance(beams, bool) or not isinstance(beams, int) or not 1 <= beams <= MAX_BEAMS:
+        raise ValueError(f"num_beams must be an integer in 1..{MAX_BEAMS} (1: greedy search) or 'model', got {num_beams!r}")
+    given = {k: v for k, v in (("length_penalty", length_penalty), ("early_stopping", early_stopping)) if v is not None}
+    if length_penalty is not None and not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if early_stopping is not None and early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be one of: true, false, never; got {early_stopping!r}")
+    source = "the export's generation config (--num-beams model)" if from_model else "the command line"
+    if beams == 1:
+        if given:
+            raise ValueError(f"{' and '.join(given)}: beam search only, and num_beams is 1 (from {source})")
+        return {"search": "greedy", "num_beams": 1, "label": "greedy", "num_beams_from": source}
+    return {
+        "search": "beam", "num_beams": beams, "label": f"beam {beams}", "num_beams_from": source,
+        "length_penalty": float(g.length_penalty if length_penalty is None else length_penalty),
+        "early_stopping": g.early_stopping if early_stopping is None else early_stopping,
+        "given": given,  # the rest are the export's generation config
+    }
+
+
+def decode_args(decoding: dict, ct2: bool = False) -> list[str]:
+    """The worker's command-line options for `decoding`. Only what the user gave is passed on, so the
+    export's (and the peer's model folder's) generation config decides the rest; CTranslate2 reads no
+    generation config, so it always gets the effective length_penalty in beam search."""
+    args = ["--num-beams", str(decoding["num_beams"])]
+    if decoding["search"] == "greedy":
+        return args
+    given = decoding["given"]
+    if "length_penalty" in given or ct2:
+        args += ["--length-penalty", repr(decoding["length_penalty"])]
+    if "early_stopping" in given and not ct2:  # CTranslate2 has no early_stopping (its patience stays 1)
+        args += ["--early-stopping", str(decoding["early_stopping"]).lower()]
+    return args
+
+
+def decoding_sentence(decoding: dict, ct2: bool = False) -> str:
+    """One sentence stating the search every runtime ran, for what_is_timed and report.md (`ct2`: with
+    CTranslate2 among them)."""
+    if decoding["search"] == "greedy":
+        return "Greedy search (num_beams 1) for every runtime."
+    config = "the export's generation config"
+    settings = "; ".join(f"{k} {decoding[k]} ({'given' if k in decoding['given'] else config})"
+                         for k in ("length_penalty", "early_stopping"))
+    text = (f"Beam search with {decoding['num_beams']} beams for every runtime, the best hypothesis kept "
+            f"(num_beams from {decoding['num_beams_from']}; {settings}).")
+    if ct2:
+        text += (" CTranslate2 gets the same length_penalty and keeps its own stopping rule (patience 1); it scores "
+                 "and length-normalises hypotheses its own way, so its agreement with the reference is a "
+                 "measurement, not expected to be 100%.")
+    return text
 
 
 def source_ids(export_dir: Path, sentences: list[str]) -> list[list[int]]:
@@ -71,11 +144,26 @@ def run(
     peer_python: Path = peers_mod.DEFAULT_PEER_PYTHON,
     peer_cache: Path = peers_mod.PEER_CACHE,
     log=print,
+    num_beams: int | str = 1,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
 ) -> dict:
-    """Run every backend (and peer) in its own subprocess; write results.json, report.md, plots."""
+    """Run every backend (and peer) in its own subprocess; write results.json, report.md, plots.
+
+    num_beams: every runtime runs greedy search (1, the default) or beam search with that many beams;
+    "model": the export's generation config. See `resolve_decoding`. The output-length sweep is a
+    greedy measurement: with beam search it is not run, and results.json says so (`sweep_skipped`).
+    """
     from backends import BACKEND_NAMES, load_manifest
 
     manifest = load_manifest(export_dir)
+    decoding = resolve_decoding(manifest, num_beams, length_penalty, early_stopping)
+    sweep_skipped = None
+    if decoding["search"] == "beam" and options.sweep_lengths:
+        sweep_skipped = SWEEP_IS_GREEDY.format(n=decoding["num_beams"])
+        options = dataclasses.replace(options, sweep_lengths=())
+        log(f"length sweep skipped: {sweep_skipped}")
+    log(f"decoding: {decoding['label']} for every runtime")
     skipped = {}
     if backend_names is None:
         backend_names, skipped = default_backends(manifest)
@@ -99,8 +187,9 @@ def run(
 
     jobs = []  # (name, command without --spec/--out, whether it times the sweep, extra result fields)
     for name in backend_names:
-        cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir)]
-        jobs.append((name, cmd, True, {}))
+        cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir),
+               *decode_args(decoding)]
+        jobs.append((name, cmd, True, {"command": cmd}))
     failed = {}
     if peer_names:
         source = Path(manifest.data["source_model"].get("path") or "")
@@ -121,8 +210,9 @@ def run(
             log(f"{name}: {failed[name].splitlines()[0]}")
         for name, prep in prepared.items():
             python = sys.executable if name in peers_mod.IN_PROJECT_ENV else str(peer_python)
-            cmd = [python, "-m", "bench.peers", "worker", "--peer", name, "--model-dir", prep["dir"], "--source", str(source)]
-            extra = {"conversion": {k: v for k, v in prep.items() if k != "dir"}}
+            cmd = [python, "-m", "bench.peers", "worker", "--peer", name, "--model-dir", prep["dir"], "--source", str(source),
+                   *decode_args(decoding, ct2=name.startswith("ct2"))]
+            extra = {"conversion": {k: v for k, v in prep.items() if k != "dir"}, "command": cmd}
             jobs.append((name, cmd, options.sweep_peers, extra))
 
     per_round: dict[str, list[dict]] = {}
@@ -161,18 +251,46 @@ def run(
         "kind": "speed",
         "model": model_info(export_dir, manifest),
         "environment": env,
-        "options": {**options.__dict__, "batch_sizes": list(options.batch_sizes), "sweep_lengths": list(options.sweep_lengths)},
+        "options": {**options.__dict__, "batch_sizes": list(options.batch_sizes), "sweep_lengths": list(options.sweep_lengths),
+                    "num_beams": decoding["num_beams"], "length_penalty": length_penalty, "early_stopping": early_stopping},
+        "decoding": decoding,
         "sentences": sentence_info(pairs, lengths, make_spec(sentences, lengths, options, sweep=True)),
-        "what_is_timed": WHAT_IS_TIMED,
+        "what_is_timed": WHAT_IS_TIMED.format(search=decoding_sentence(decoding, _has_ct2(peer_names))),
         "reference": REFERENCE,
         "runtimes": runtimes,
         "failed": failed,
         "not_run": skipped,
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if sweep_skipped:
+        results["sweep_skipped"] = sweep_skipped
     add_comparisons(results, [p.zh for p in pairs])
     write(results, out_dir)
+    state_decoding(out_dir / "report.md", results)
     return results
+
+
+def _has_ct2(names) -> bool:
+    return any(n.startswith("ct2") for n in names or [])
+
+
+def state_decoding(report: Path, results: dict) -> None:
+    """report.md (rendered by service/reports.py, which states greedy search and lists beam search as not
+    measured) rewritten to state this run's decoding: a beam run can never read as a greedy one."""
+    d = results["decoding"]
+    md = report.read_text(encoding="utf-8")
+    line = f"Decoding: {d['label']}. {decoding_sentence(d, _has_ct2([*results['runtimes'], *results['failed']]))}"
+    if results.get("sweep_skipped"):
+        line += f" No output-length sweep: {results['sweep_skipped']}."
+    if "Greedy search everywhere." in md:
+        md = md.replace("Greedy search everywhere.", line, 1)
+    else:  # the renderer changed: still say it, right under the title
+        title, _, rest = md.partition("\n")
+        md = f"{title}\n\n{line}\n{rest}"
+    if d["search"] == "beam":  # this run measured it
+        md = "\n".join(x.replace("beam search, ", "").replace(", beam search", "") if x.startswith("Not measured:")
+                        else x for x in md.split("\n"))
+    report.write_text(md, encoding="utf-8")
 
 
 def _log_result(name: str, r: dict, log) -> None:

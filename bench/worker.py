@@ -1,7 +1,9 @@
 """python -m bench.worker: one of our backends, alone in this process, through the measurement protocol.
 
 Driven by `python -m bench speed`: one subprocess per backend, so each one's load time and peak
-resident memory are its own (no other backend's sessions or torch in the same process).
+resident memory are its own (no other backend's sessions or torch in the same process). Decoding:
+`--num-beams N` (default 1, greedy), and for beam search `--length-penalty` / `--early-stopping`
+when given (otherwise the export's generation config decides), passed on to `Backend.translate`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,22 @@ import sys
 import time
 from pathlib import Path
 
-from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, rss_mb
+from .peers import early_stopping_arg
+from .protocol import BackendRuntime, Output, Spec, measure, peak_rss_mb, rss_mb
+
+
+class DecodingRuntime(BackendRuntime):
+    """`BackendRuntime` with this run's search options: num_beams (1: greedy) and, when given,
+    length_penalty / early_stopping; the best hypothesis only (num_return_sequences 1)."""
+
+    def __init__(self, backend, decode: dict):
+        super().__init__(backend)
+        self.decode = {"num_return_sequences": 1, **decode}
+
+    def translate(self, texts, max_new_tokens, min_new_tokens):
+        results = self.backend.translate(texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1,
+                                         **self.decode)
+        return [Output(t.token_ids, t.text) for t in results]
 
 
 def size_on_disk(backend) -> tuple[int, list[str]]:
@@ -48,7 +65,13 @@ def main(argv=None) -> int:
     parser.add_argument("--export", required=True, type=Path)
     parser.add_argument("--spec", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--num-beams", type=int, default=1, help="1: greedy search (the default)")
+    parser.add_argument("--length-penalty", type=float, help="beam search; default: the export's generation config")
+    parser.add_argument("--early-stopping", type=early_stopping_arg, help="beam search: true, false or never")
     args = parser.parse_args(argv)
+    decode = {"num_beams": args.num_beams}
+    decode.update({k: v for k, v in (("length_penalty", args.length_penalty), ("early_stopping", args.early_stopping))
+                   if v is not None})
     spec = Spec.load(args.spec)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(spec.threads)
@@ -72,8 +95,9 @@ def main(argv=None) -> int:
         "rss_before_load_mb": rss_before,
         "rss_after_load_mb": rss_mb(),
         "size_bytes": size,
+        "decoding": decode,
     }
-    result.update(measure(BackendRuntime(backend), spec, lambda m: print(f"[{args.backend}] {m}", file=sys.stderr, flush=True)))
+    result.update(measure(DecodingRuntime(backend, decode), spec, lambda m: print(f"[{args.backend}] {m}", file=sys.stderr, flush=True)))
     result["peak_rss_mb"] = peak_rss_mb()
     result["torch_in_process"] = "torch" in sys.modules  # the ORT backends must run without it
     args.out.write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from backends import MAX_BEAMS
 from backends.divergence import first_divergence
 from bench.data import default_backends
 from conftest import DEV_TSV, REPO, dev_sentences
@@ -106,6 +107,9 @@ def test_speed_writes_real_numbers(speed_run, tiny_export_dir):
     expected, _ = default_backends(manifest)
     assert list(results["runtimes"]) == expected
     assert results["sentences"]["count"] == 5 and results["options"]["forced_tokens"] == 4
+    # No --num-beams: greedy search for every runtime, as before the option existed, and on record.
+    assert results["options"]["num_beams"] == 1 and results["decoding"]["label"] == "greedy"
+    assert all(r["decoding"] == {"num_beams": 1} for r in results["runtimes"].values())
     for name, r in results["runtimes"].items():
         lat = r["latency"]
         assert lat["n"] == 5, name
@@ -135,6 +139,7 @@ def test_speed_writes_report_and_plots(speed_run):
     for name in results["runtimes"]:
         assert f"| `{name}` |" in md
     assert "## What is timed" in md and "single-step / KV cache" in md and results["environment"]["cpu"] in md
+    assert "Decoding: greedy." in md and "Greedy search (num_beams 1) for every runtime." in results["what_is_timed"]
     assert results["plots"] == ["sweep.png", "speed.png"]
     for p in results["plots"]:
         assert (out / p).read_bytes().startswith(PNG)
@@ -173,6 +178,7 @@ def test_readme_table_has_ratios(speed_run, capsys):
     assert len(rows) == len(results["runtimes"])
     assert rows[0].startswith("| `pytorch` (fp32) |") and rows[0].count("1.00×") == 2
     assert results["environment"]["date_utc"] in lines[-1] and "onnxruntime" in lines[-1]
+    assert ", greedy search" in lines[-1] and lines[0].startswith("| runtime |")
 
 
 def test_load_latest_finds_the_report(speed_run):
@@ -306,6 +312,154 @@ def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
     assert "Rounds: 3, round-robin" in md and md.count(" / ") >= 6
 
 
+# --- --num-beams: every runtime, ours and the peers, at one beam size --------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(MAX_BEAMS + 1), "two", "1.5"])
+def test_num_beams_out_of_range_is_an_argparse_error(value, capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["speed", "--num-beams", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-beams" in err and f"1..{MAX_BEAMS}" in err and "'model'" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-beams", "2", "--sweep", "4,8"], "greedy"),  # the sweep is a greedy measurement: refused, not relabelled
+    (["--length-penalty", "0.6"], "beam search only"),  # greedy: a beam option is refused
+    (["--num-beams", "1", "--early-stopping", "never"], "beam search only"),
+])
+def test_speed_refuses_options_that_do_not_fit_the_search(argv, message, capsys):
+    from bench.__main__ import main
+
+    assert main(["speed", "--model", "/nonexistent", *argv]) == 2  # refused before the model is even looked at
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_decoding_options_reach_every_worker_command():
+    from bench import peers
+    from bench.speed import decode_args
+
+    greedy = {"search": "greedy", "num_beams": 1, "label": "greedy"}
+    beam = {"search": "beam", "num_beams": 4, "label": "beam 4", "length_penalty": 1.0, "early_stopping": False,
+            "given": {}}
+    assert decode_args(greedy) == decode_args(greedy, ct2=True) == ["--num-beams", "1"]
+    assert decode_args(beam) == ["--num-beams", "4"]  # the rest: the export's generation config decides
+    assert decode_args(beam, ct2=True) == ["--num-beams", "4", "--length-penalty", "1.0"]  # ct2 reads no config
+    given = {**beam, "length_penalty": 0.6, "early_stopping": "never", "given": {"length_penalty": 0.6, "early_stopping": "never"}}
+    assert decode_args(given) == ["--num-beams", "4", "--length-penalty", "0.6", "--early-stopping", "never"]
+    assert decode_args(given, ct2=True) == ["--num-beams", "4", "--length-penalty", "0.6"]
+    # ... and what each peer does with them.
+    assert peers.generate_kwargs({"num_beams": 1}) == {"num_beams": 1, "do_sample": False, "num_return_sequences": 1,
+                                                       "forced_eos_token_id": None}
+    assert peers.generate_kwargs({"num_beams": 4, "early_stopping": "never"}) == {
+        "num_beams": 4, "do_sample": False, "num_return_sequences": 1, "early_stopping": "never"}
+    assert peers.ct2_kwargs({"num_beams": 4, "length_penalty": 0.6}) == {"beam_size": 4, "length_penalty": 0.6}
+    assert peers.ct2_kwargs(None) == {"beam_size": 1}
+
+
+def test_num_beams_model_takes_the_export_generation_config(tiny_export_dir):
+    from backends import load_manifest
+    from bench.speed import resolve_decoding
+
+    manifest = load_manifest(tiny_export_dir)
+    assert manifest.generation.num_beams == 1  # the fixture's config: greedy
+    d = resolve_decoding(manifest, "model")
+    assert (d["label"], d["num_beams_from"]) == ("greedy", "the export's generation config (--num-beams model)")
+    d = resolve_decoding(manifest, 3, early_stopping="never")
+    assert (d["label"], d["length_penalty"], d["early_stopping"], d["given"]) == ("beam 3", 1.0, "never",
+                                                                                   {"early_stopping": "never"})
+    for bad in (0, MAX_BEAMS + 1, "3", True):
+        with pytest.raises(ValueError, match=rf"1\.\.{MAX_BEAMS}"):
+            resolve_decoding(manifest, bad)
+    with pytest.raises(ValueError, match="beam search only"):
+        resolve_decoding(manifest, "model", length_penalty=0.6)
+
+
+def _generate_ids(model, tokenizer, text: str, **kwargs) -> list[int]:
+    """generate() called directly: ids after the decoder start, up to and with eos, padding dropped."""
+    import torch
+
+    with torch.inference_mode():
+        row = model.generate(**tokenizer([text], return_tensors="pt"), **kwargs)[0, 1:].tolist()
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    ids = []
+    for t in row:
+        if t == pad:
+            break
+        ids.append(t)
+        if t == eos:
+            break
+    return ids
+
+
+@pytest.fixture(scope="module")
+def beam_run(tiny_export_dir, tmp_path_factory):
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
+
+    out = tmp_path_factory.mktemp("beam")
+    lines = []
+    options = SpeedOptions(max_new_tokens=6, batch_sizes=(3,), warmup=1, floor=False)  # default sweep lengths
+    results = run(tiny_export_dir, default_sample(3), options, out / "run",
+                  backend_names=["pytorch", "ort_fp32_kv_cache"], peer_names=["transformers"],
+                  peer_cache=out / "peers", log=lines.append, num_beams=2)
+    return out / "run", results, lines
+
+
+def test_speed_at_beam_2_runs_every_runtime_at_beam_2(beam_run, tiny_model_dir):
+    out, results, lines = beam_run
+    assert results["failed"] == {}
+    assert results["options"]["num_beams"] == 2
+    assert results["decoding"] == {"search": "beam", "num_beams": 2, "label": "beam 2", "num_beams_from": "the command line",
+                                   "length_penalty": 1.0, "early_stopping": False, "given": {}}
+    assert list(results["runtimes"]) == ["pytorch", "ort_fp32_kv_cache", "transformers"]
+    for name, r in results["runtimes"].items():
+        assert r["decoding"] == {"num_beams": 2}, name
+        cmd = r["command"]
+        assert cmd[cmd.index("--num-beams") + 1] == "2", name
+        assert r["latency"]["n"] == 3 and r["throughput"]["3"]["sentences"] == 3
+    assert results["runtimes"]["transformers"]["call"]["num_beams"] == 2
+    assert results["runtimes"]["transformers"]["command"][2:4] == ["bench.peers", "worker"]
+    # Our beam search decodes exactly as generate(): the KV cache and transformers agree with PyTorch.
+    for name in ("ort_fp32_kv_cache", "transformers"):
+        assert results["runtimes"][name]["comparison"]["identical_to_reference"] == 1.0, name
+    # The sweep, a greedy measurement, is skipped and said to be, not run and mislabelled.
+    assert results["options"]["sweep_lengths"] == [] and "greedy" in results["sweep_skipped"]
+    assert all(r["sweep"] == {} for r in results["runtimes"].values())
+    assert any(m.startswith("length sweep skipped:") for m in lines) and "decoding: beam 2 for every runtime" in lines
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "Decoding: beam 2. Beam search with 2 beams for every runtime" in md and "Greedy search" not in md
+    assert "No output-length sweep" in md
+    not_measured = next(x for x in md.splitlines() if x.startswith("Not measured:"))
+    assert "beam search" not in not_measured
+    assert "Beam search with 2 beams" in results["what_is_timed"]
+
+
+def test_the_transformers_peer_at_beam_2_is_generate_at_beam_2(beam_run, tiny_model_dir):
+    from transformers import MarianMTModel, MarianTokenizer
+
+    _, results, _ = beam_run
+    model = MarianMTModel.from_pretrained(tiny_model_dir).eval()
+    tokenizer = MarianTokenizer.from_pretrained(tiny_model_dir)
+    direct = [_generate_ids(model, tokenizer, p.en, num_beams=2, max_new_tokens=6) for p in default_sample(3)]
+    assert [o["ids"] for o in results["runtimes"]["transformers"]["outputs"]] == direct  # the runner's batch-1 outputs
+
+
+def test_table_of_a_beam_run_says_beam(beam_run, capsys):
+    from bench.__main__ import main
+
+    out, _, _ = beam_run
+    assert main(["table", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| runtime, beam 2 |")
+    assert "beam search with 2 beams (length_penalty 1.0, early_stopping False)" in lines[-1]
+    assert "greedy" not in "\n".join(lines)
+
+
 # --- peers (only where the peer environment exists: `make bench-venv`) ---------------------------
 
 
@@ -328,3 +482,22 @@ def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, tmp_path):
     assert results["runtimes"]["ct2_float32"]["comparison"]["identical_to_reference"] == 1.0
     assert all(results["runtimes"][n]["tokenization_mismatches"] == [] for n in ("ct2_float32", "ct2_int8"))
     assert "ctranslate2" in results["environment"]["peer_environment"]["versions"]
+
+
+@pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
+def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, tmp_path):
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
+
+    options = SpeedOptions(max_new_tokens=6, batch_sizes=(2,), sweep_lengths=(), warmup=1, floor=False)
+    peers = ["optimum_fp32", "ct2_float32"]
+    results = run(tiny_export_dir, default_sample(2), options, tmp_path / "out", backend_names=["pytorch"],
+                  peer_names=peers, peer_python=PEER_PYTHON, peer_cache=tmp_path / "peers", log=lambda m: None,
+                  num_beams=2)
+    assert results["failed"] == {}
+    optimum, ct2 = (results["runtimes"][n] for n in peers)
+    assert optimum["call"]["num_beams"] == 2 and optimum["decoding"] == {"num_beams": 2}
+    # CTranslate2 reads no generation config: the export's length_penalty is passed to it.
+    assert ct2["call"] == {"beam_size": 2, "length_penalty": 1.0}
+    assert optimum["comparison"]["identical_to_reference"] == 1.0  # generate() at beam 2, as our backends
+    assert 0.0 <= ct2["comparison"]["identical_to_reference"] <= 1.0  # its own scoring: agreement, not identity
