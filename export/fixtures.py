@@ -263,6 +263,12 @@ def build(name: str, out: Path, corpus: Path = TRAIN_TSV, seed: int = 0, force: 
         config = MarianConfig(**{k: v for k, v in config_dict.items() if not k.startswith("_")})
         torch.manual_seed(seed)
         model = MarianMTModel(config).eval()
+        if name == "opus-mt-random":
+            # transformers 5 no longer derives decoding settings from config.json; the published
+            # model's (4 beams, its bad word, max_length 512) are what its users run: keep them.
+            for key in ("num_beams", "max_length", "bad_words_ids"):
+                setattr(model.generation_config, key, config_dict[key])
+            model.generation_config._from_model_config = False  # a file of its own, not re-derived
         model.save_pretrained(tmp, safe_serialization=True)
         tmp.rename(out)
     except BaseException:

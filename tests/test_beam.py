@@ -649,3 +649,24 @@ def test_export_verification_checks_the_models_own_decoding(peaked_export_dir, t
     broken = {**own, "backends": {"ort_fp32_kv_cache": {**own["backends"]["ort_fp32_kv_cache"], "identical_ids": 2}}}
     failures = verify.judge({"cases": []}, None, broken)
     assert failures and failures[0].startswith("ort_fp32_kv_cache: beam 4 ids identical on 2/3")
+
+
+def test_the_opus_sized_fixture_decodes_as_the_published_model(tmp_path, monkeypatch):
+    """transformers 5 no longer derives num_beams from config.json: the fixture writes the published
+    model's decoding (4 beams, bad word 65000, max_length 512) into its generation config."""
+    import dataclasses
+
+    from transformers import MarianMTModel
+
+    from export import fixtures
+
+    small = dataclasses.replace(  # a smaller tokenizer sample: the model keeps its full shape
+        fixtures.FIXTURES["opus-mt-random"], source_spm_size=400, target_spm_size=1000, sample_pairs=3000,
+        target_coverage=0.98,
+    )
+    monkeypatch.setitem(fixtures.FIXTURES, "opus-mt-random", small)
+    out = fixtures.build("opus-mt-random", tmp_path / "opus")
+    model = MarianMTModel.from_pretrained(out)
+    g = model.generation_config
+    assert (g.num_beams, g.max_length, g.bad_words_ids, g.forced_eos_token_id) == (4, 512, [[65000]], 0)
+    assert model.config.vocab_size == 65001
