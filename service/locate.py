@@ -48,8 +48,10 @@ nothing; a module is over when its relative error jumps above JUMP_FACTOR times 
 relative error of the modules before it (at least the precision's floor): where the drift comes
 from, not where it shows.
 
-Names are the HF model's own module paths below `MarianMTModel.model` (`decoder.layers.4.fc1`),
-plus `lm_head`. Only this module imports torch in the request layer, lazily: it hooks the
+Names are the HF model's own module paths below its `.model` (`decoder.layers.4.fc1`; the family's
+class from the sidecar: MarianMTModel, M2M100ForConditionalGeneration, MBartForConditionalGeneration),
+plus `lm_head`; pre-norm families list each LayerNorm before its sub-layer, and their final and
+embedding norms (`decoder.layer_norm`, `encoder.layernorm_embedding`) as modules of their own. Only this module imports torch in the request layer, lazily: it hooks the
 PyTorch model. The ORT backends are untouched; the sessions here are built with their settings.
 """
 
@@ -229,15 +231,21 @@ def _run_onnx(graphs: list[_Graph], input_ids, attention_mask, decoder_ids, conf
 
 
 def _hf_model(backends: dict[str, Backend]):
+    """The loaded reference's HF model, else the export's source loaded with its own family's class
+    (the sidecar's architecture: MarianMTModel, M2M100ForConditionalGeneration, ...)."""
     reference = backends.get(REFERENCE)
     if reference is not None and hasattr(reference.model, "model"):
-        return reference.model.model  # the loaded reference's MarianMTModel
-    from transformers import MarianMTModel
+        return reference.model.model
+    import transformers
 
-    from backends.pytorch import source_model_of
+    from backends.pytorch import SUPPORTED_ARCHITECTURES, source_model_of
 
-    backend = next(iter(backends.values()))
-    return MarianMTModel.from_pretrained(str(source_model_of(backend.manifest))).eval()
+    manifest = next(iter(backends.values())).manifest
+    if manifest.architecture not in SUPPORTED_ARCHITECTURES:
+        raise LocateError(f"unsupported architecture {manifest.architecture!r}; expected one of: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_class = getattr(transformers, manifest.architecture)
+    return model_class.from_pretrained(str(source_model_of(manifest))).eval()
 
 
 def _load_graphs(backend: Backend, modules: list[str]) -> list[_Graph]:
@@ -308,7 +316,7 @@ def locate(backends_or_export: dict[str, Backend] | str | Path, backend_name: st
 
     manifest = backend.manifest
     facts = manifest.data["model"]
-    modules = module_order(facts["encoder_layers"], facts["decoder_layers"])
+    modules = module_order(facts["encoder_layers"], facts["decoder_layers"], manifest.data.get("family"))
     graphs = _load_graphs(backend, modules)  # fails early, before any model runs, if unmappable
 
     if reference_ids is None:

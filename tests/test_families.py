@@ -352,3 +352,46 @@ def test_the_sidecar_records_each_steps_peak_rss(external_export_dir):
     data = load_manifest(external_export_dir).data
     assert set(data["export_peak_rss_mb"]) == set(data["export_seconds"])
     assert all(mb > 0 for mb in data["export_peak_rss_mb"].values()), data["export_peak_rss_mb"]
+
+
+# --- locate: which module drifted ----------------------------------------------------------------------
+
+LOCATE_TEXT = "Click OK to save the document."
+
+
+@pytest.mark.parametrize("name", ["ort_fp32_kv_cache", "ort_fp32_single_step"])
+def test_locate_reports_every_module_of_the_family_in_execution_order(family_export_dir, family_backends, name):
+    """Locate on NLLB and mBART exports: the family's modules (pre-norm order, final and embedding
+    norms), all mapped, none over 1e-4; without the PyTorch backend loaded, the source is loaded
+    with the sidecar's class (not MarianMTModel)."""
+    from service.locate import locate, module_order
+
+    m = load_manifest(family_export_dir)
+    ids = family_backends["pytorch"].translate([LOCATE_TEXT], max_new_tokens=8, num_beams=1)[0].token_ids
+    report = locate({name: family_backends[name]}, name, LOCATE_TEXT, 2, reference_ids=ids)
+    facts = m.data["model"]
+    modules = module_order(facts["encoder_layers"], facts["decoder_layers"], m.data["family"])
+    assert [row["module"] for row in report["layers"]] == modules and report["unmapped"] == []
+    assert modules.index("decoder.layers.0.self_attn_layer_norm") < modules.index("decoder.layers.0.self_attn")
+    assert "decoder.layer_norm" in modules and ("encoder.layernorm_embedding" in modules) == (
+        m.architecture == "MBartForConditionalGeneration")
+    assert report["first_over_tolerance"] is None, report["summary"]
+    assert report["max_abs_dlogit"] <= 1e-4
+
+
+@pytest.mark.parametrize("graph_file, module", [
+    ("decoder.onnx", "decoder.layers.1.fc1"),
+    ("decoder.onnx", "decoder.layers.0.self_attn.v_proj"),
+    ("encoder.onnx", "encoder.layers.1.fc2"),
+])
+def test_locate_maps_a_perturbed_bias_to_its_module(family_export_dir, family_backends, tmp_path, graph_file, module):
+    from service.locate import locate
+    from test_locate import _perturbed_copy
+
+    name = "ort_fp32_kv_cache"
+    export = _perturbed_copy(family_export_dir, tmp_path, graph_file, module, 0.5)
+    loaded = {"pytorch": family_backends["pytorch"], **load_backends(export, (name,), SessionConfig(threads=1))}
+    ids = family_backends["pytorch"].translate([LOCATE_TEXT], max_new_tokens=8, num_beams=1)[0].token_ids
+    report = locate(loaded, name, LOCATE_TEXT, 2, reference_ids=ids)
+    assert report["first_over_tolerance"] is not None, report["summary"]
+    assert report["first_over_tolerance"]["module"] == module, report["summary"]
