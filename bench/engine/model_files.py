@@ -1,6 +1,6 @@
 """The export on every node: used in place where the path is shared, else shipped once per node.
 
-`shipment_files` lists what the chosen backends read: the sidecar, the tokenizer files, each
+`shipment_files` lists what the chosen backends read: the sidecar, the tokenizer files it lists, each
 backend's graphs (and external data), and for `pytorch` the source model's config and weights.
 The Ray engine puts each file in Ray's object store once; on each node the first actor writes them
 under the node cache (`materialize`, under a file lock, so the other actors on that node wait and
@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from backends.manifest import MANIFEST_NAME, TOKENIZER_FILES, ManifestError, load_manifest, sha256_file
+from backends.manifest import MANIFEST_NAME, ManifestError, load_manifest, sha256_file
 
 from ..data import GRAPHS_OF
 
@@ -33,7 +33,7 @@ def shipment_files(export_dir: Path, names: list[str]) -> dict[str, Path]:
     """{name in the shipment ("export/…", "source/…"): file on this machine} for these backends."""
     manifest = load_manifest(export_dir)
     files = {f"export/{MANIFEST_NAME}": Path(export_dir) / MANIFEST_NAME}
-    listed = list(TOKENIZER_FILES)
+    listed = list(manifest.tokenizer_files)  # the sidecar's own list: Marian's spm files, NLLB's tokenizer.json, ...
     for name in names:
         for graph in GRAPHS_OF.get(name, ()):
             entry = manifest.graph(graph)
