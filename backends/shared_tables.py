@@ -52,13 +52,14 @@ class SharedTables:
         """name -> shared array, for every large initializer of the graph that a Gather reads.
 
         MatMul-only weights are left to ORT: it packs them and frees the original, and a shared
-        buffer would stop it freeing.
+        buffer would stop it freeing. A graph with external data is read without it; only the
+        tables returned are read from its data file (NLLB-600M's full graph: 2.5 GB not loaded).
         """
         import onnx
         from onnx import numpy_helper
 
         try:
-            model = onnx.load(str(path))
+            model = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError names no file
             raise ValueError(f"{path} is not a readable ONNX graph: {type(e).__name__}: {e}") from e
         graph = model.graph
@@ -70,5 +71,6 @@ class SharedTables:
             size = int(np.prod(init.dims)) if init.dims else 1
             if size * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize < self.min_bytes:
                 continue
-            out[init.name] = self.canonical(numpy_helper.to_array(init))
+            # base_dir: a table in external data is read from its file, that tensor's bytes only
+            out[init.name] = self.canonical(numpy_helper.to_array(init, base_dir=str(Path(path).parent)))
         return out

@@ -395,3 +395,44 @@ def test_locate_maps_a_perturbed_bias_to_its_module(family_export_dir, family_ba
     report = locate(loaded, name, LOCATE_TEXT, 2, reference_ids=ids)
     assert report["first_over_tolerance"] is not None, report["summary"]
     assert report["first_over_tolerance"]["module"] == module, report["summary"]
+
+
+def test_the_ray_engine_ships_the_familys_tokenizer_files_and_external_data(external_export_dir, tmp_path):
+    """bench/engine/model_files: an NLLB export ships whole (its tokenizer.json, not Marian's spm
+    files; every graph's external data), and the node's copy loads and translates."""
+    from bench.engine.model_files import digests, materialize, shipment_files
+
+    m = load_manifest(external_export_dir)
+    files = shipment_files(external_export_dir, ["ort_fp32_kv_cache", "ort_int8"])
+    shipped = {name.split("/", 1)[1] for name in files}
+    assert set(m.tokenizer_files) <= shipped and "tokenizer.json" in shipped and "source.spm" not in shipped
+    for graph in ("encoder", "decoder", "encoder_int8", "decoder_int8"):
+        entry = m.graph(graph)
+        assert {entry["file"], *entry["external_data"]} <= shipped and entry["external_data"], graph
+    assert all(path.is_file() for path in files.values())
+    copy, info = materialize(tmp_path / "cache", digests(files), lambda name: files[name].read_bytes())
+    assert info["written_here"] and info["checked"] == len(files)
+    [t] = load_backends(copy, ("ort_int8",))["ort_int8"].translate(["Hello."], max_new_tokens=4, num_beams=1)
+    assert t.token_ids
+
+
+def test_shared_tables_read_only_the_tables_from_external_data(external_export_dir, monkeypatch):
+    """backends/shared_tables: a graph with external data is parsed without it, and only the tables a
+    Gather reads come from its data file; the tables are those of a whole load, bit for bit."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from backends.shared_tables import SharedTables
+
+    path = external_export_dir / "decoder.onnx"
+    whole = onnx.load(str(path))
+    gathered = {n.input[0] for n in whole.graph.node if n.op_type == "Gather"}
+    expected = {i.name: numpy_helper.to_array(i) for i in whole.graph.initializer if i.name in gathered}
+    loads, real_load = [], onnx.load
+    monkeypatch.setattr(onnx, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    tables = SharedTables(min_bytes=0).for_graph(path)
+    assert loads == [{"load_external_data": False}]
+    assert set(tables) == set(expected) and expected
+    for name, array in tables.items():
+        assert array.dtype == expected[name].dtype and np.array_equal(array.view(np.uint8), expected[name].view(np.uint8))
