@@ -92,15 +92,30 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _peak_rss_mb() -> float | None:
-    """This process's peak RSS (VmHWM) in MB since start or the last reset; None off Linux."""
+def _status_mb(field: str) -> float | None:
+    """A /proc/self/status figure in MB (VmHWM: peak RSS since start or the last reset; VmRSS: now);
+    None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         pass
     return None
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap back to the system between steps. glibc keeps large freed blocks (a graph's
+    weights, once its mmap threshold has grown) in the process, so the next step would start on
+    gigabytes it no longer uses; malloc_trim returns them. A no-op where there is no glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Steps:
@@ -108,24 +123,30 @@ class _Steps:
 
     Each step resets the process's peak RSS at its start (/proc/self/clear_refs) and reads it at its
     end, so `peak_rss_mb[title]` is that step's own high-water mark, what it held from earlier steps
-    included; None where the kernel refuses the reset (the figure would be the whole run's peak)."""
+    included (`start_rss_mb[title]`: the RSS it started with); None where the kernel refuses the
+    reset (the figure would be the whole run's peak). Freed memory is handed back after each step.
+    The reset also resets getrusage's ru_maxrss: `/usr/bin/time -v` then reports the last step's peak."""
 
     def __init__(self, total: int, log=print):
         self.total, self.n, self.log = total, 0, log
         self.durations: dict[str, float] = {}
         self.peak_rss_mb: dict[str, float | None] = {}
+        self.start_rss_mb: dict[str, float | None] = {}
 
     def run(self, title: str, fn, *args, **kwargs):
         self.n += 1
         self.log(f"[{self.n}/{self.total}] {title} ...", flush=True)
         reset = _reset_peak_rss()
+        self.start_rss_mb[title] = _status_mb("VmRSS")
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
-        peak = _peak_rss_mb() if reset else None
+        peak = _status_mb("VmHWM") if reset else None
+        _release_freed_memory()
         self.durations[title] = round(seconds, 2)
         self.peak_rss_mb[title] = peak
-        memory = "" if peak is None else f", peak RSS {peak / 1024:.2f} GB"
+        began = self.start_rss_mb[title]
+        memory = "" if peak is None else f", peak RSS {peak / 1024:.2f} GB (started at {(began or 0) / 1024:.2f} GB)"
         self.log(f"[{self.n}/{self.total}] {title}: done in {seconds:.1f} s{memory}", flush=True)
         return result
 
@@ -312,8 +333,9 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             "versions": versions(),
             "verification": None,
             "export_seconds": None,
-            # Each step's own peak RSS (VmHWM, reset at the step's start; see _Steps).
+            # Each step's own peak RSS (VmHWM, reset at the step's start) and the RSS it started with.
             "export_peak_rss_mb": None,
+            "export_start_rss_mb": None,
             "files": {},
         }
 
@@ -358,7 +380,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 tmp.rename(rejected)
                 raise VerificationFailed(result["failures"], rejected)
         manifest["export_seconds"] = steps.durations
-        manifest["export_peak_rss_mb"] = steps.peak_rss_mb
+        manifest["export_peak_rss_mb"] = dict(steps.peak_rss_mb)
+        manifest["export_start_rss_mb"] = dict(steps.start_rss_mb)  # a copy: the write step adds its own
         steps.run("write manifest.json and move into place", write_manifest)
         if out.exists():
             shutil.rmtree(out)

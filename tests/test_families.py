@@ -346,12 +346,14 @@ def test_each_export_step_records_its_own_peak_rss():
     peak = steps.peak_rss_mb
     assert list(peak) == list(steps.durations) == ["small", "big", "after"]
     assert peak["big"] - peak["small"] > 200 and peak["after"] < peak["big"] - 200, peak
+    assert steps.start_rss_mb["after"] < peak["big"] - 200  # the block was freed and handed back
 
 
 def test_the_sidecar_records_each_steps_peak_rss(external_export_dir):
     data = load_manifest(external_export_dir).data
-    assert set(data["export_peak_rss_mb"]) == set(data["export_seconds"])
+    assert set(data["export_peak_rss_mb"]) == set(data["export_start_rss_mb"]) == set(data["export_seconds"])
     assert all(mb > 0 for mb in data["export_peak_rss_mb"].values()), data["export_peak_rss_mb"]
+    assert all(data["export_start_rss_mb"][k] <= mb for k, mb in data["export_peak_rss_mb"].items())
 
 
 # --- locate: which module drifted ----------------------------------------------------------------------
