@@ -8,11 +8,17 @@ pass; fp16 and int8 numbers are reported, not required. Failures are collected a
 Nothing here runs a graph by hand: logits come from the backends' own step models (`encode`, then
 one `step` per decoder position, as the decoding loop calls them), greedy ids from
 `Backend.translate` (the one loop) through `backends.divergence.parity_report`.
+
+Memory: one engine at a time. Each engine (and each backend) is loaded when its turn comes and
+released before the next one loads, next to the PyTorch model and its reference logits; at
+NLLB-600M's size holding PyTorch and four ORT engines at once was ~10 GB of weights.
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,28 +120,30 @@ def _masked_max_abs(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None
     return float(diff.max())
 
 
-def _step_models(export_dir: Path, threads) -> dict:
-    """The engines of the fp32 single-step, fp32 KV-cache, fp16 and int8 backends, by graph family."""
+def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
+    """The engines of the fp32 single-step, fp32 KV-cache, fp16 and int8 backends, by graph family,
+    one at a time: each is built when the caller asks for the next and released after it."""
     from backends import SessionConfig, load_manifest
     from backends.ort_kv_cache import KVCacheStepModel
     from backends.ort_single_step import FullGraphStepModel
 
     manifest = load_manifest(export_dir)
     session = SessionConfig(threads=threads, provider="cpu")
-    models = {"full": FullGraphStepModel(manifest, session)}
+    makers = {"full": lambda: FullGraphStepModel(manifest, session)}
     for suffix in ("", *APPROXIMATE_SUFFIXES):
-        models["kv_cache" + suffix] = KVCacheStepModel(manifest, session, "encoder" + suffix, "decoder" + suffix)
-    return models
+        makers["kv_cache" + suffix] = (
+            lambda s=suffix: KVCacheStepModel(manifest, session, "encoder" + s, "decoder" + s))
+    for name, make in makers.items():
+        yield name, make()  # the caller drops it before asking for the next
+        gc.collect()  # the sessions' weights go before the next engine loads
 
 
 def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dict:
     config = model.config
-    step_models = _step_models(export_dir, threads)
     cases = build_cases(tokenizer, sentences, config)
-    results = []
-    for case in cases:
-        ref_logits, ref_hidden = _torch_reference(model, case)
-        entry = {
+    references = [_torch_reference(model, case) for case in cases]  # (b, t, V) logits: tens of MB
+    results = [
+        {
             "case": case.name,
             "batch": int(case.input_ids.shape[0]),
             "source_lengths": [int(n) for n in case.attention_mask.sum(axis=1)],
@@ -144,15 +152,52 @@ def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dic
             "max_abs_encoder_hidden_diff": {},
             "argmax_agreement": {},
         }
-        for name, step_model in step_models.items():
+        for case in cases
+    ]
+    for name, step_model in _step_models(export_dir, threads):
+        for case, (ref_logits, ref_hidden), entry in zip(cases, references, results):
             logits = _stepped_logits(step_model, case)
             entry["max_abs_logit_diff"][name] = _masked_max_abs(logits, ref_logits)
             entry["argmax_agreement"][name] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
             if name != "full":  # the full graph has no encoder of its own
                 hidden = _encoder_hidden(step_model, case)
                 entry["max_abs_encoder_hidden_diff"][name] = _masked_max_abs(hidden, ref_hidden, case.attention_mask)
-        results.append(entry)
+        del step_model  # the last reference: the generator frees the engine before building the next
     return {"cases": results}
+
+
+class _OneAtATime(Mapping):
+    """The export's backends as `parity_report` reads them (membership, then `items()` in order),
+    each loaded when its turn comes and closed before the next one loads."""
+
+    def __init__(self, export_dir: Path, session, names: tuple[str, ...] | None = None):
+        from backends import BACKEND_NAMES
+
+        self.export_dir, self.session, self.names = export_dir, session, tuple(names or BACKEND_NAMES)
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, name):
+        raise TypeError("backends here are loaded one at a time: iterate items()")
+
+    def items(self):
+        from backends import load_backends
+
+        for name in self.names:
+            backend = load_backends(self.export_dir, (name,), session=self.session)[name]
+            try:
+                yield name, backend
+            finally:
+                backend.close()
+                del backend
+                gc.collect()
 
 
 def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads, **decode) -> dict:
@@ -160,15 +205,11 @@ def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, t
 
     `decode`: further options for `Backend.translate`; none given, the export's defaults apply.
     """
-    from backends import SessionConfig, load_backends
+    from backends import SessionConfig
     from backends.divergence import parity_report
 
-    backends = load_backends(export_dir, session=SessionConfig(threads=threads, provider="cpu"))
-    try:
-        return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
-    finally:
-        for b in backends.values():
-            b.close()
+    backends = _OneAtATime(export_dir, SessionConfig(threads=threads, provider="cpu"))
+    return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
 
 
 def judge(logits: dict, greedy: dict | None, model_decoding: dict | None = None) -> list[str]:

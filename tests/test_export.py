@@ -314,3 +314,44 @@ def test_fixture_tokenizer_comes_from_the_training_writer(tiny_model_dir):
     check_tokenizer(MarianTokenizer.from_pretrained(str(tiny_model_dir)), [p.zh for p in dev_pairs(50)])
     with pytest.raises(ValueError, match="1299 pieces do not fit a vocabulary of 1000"):
         build_vocab(tiny_model_dir / "source.spm", tiny_model_dir / "target.spm", 1000)
+
+
+def test_verification_holds_one_engine_at_a_time(tiny_model_dir, tiny_export_dir, monkeypatch):
+    """At NLLB-600M's size, PyTorch and four ORT engines at once were ~10 GB of weights: every engine
+    (the logits' step models and each backend's) is built only once the one before it is gone, and
+    the numbers are those recorded at export, all engines loaded together."""
+    import gc
+    import weakref
+
+    from backends import ort_kv_cache, ort_single_step, pytorch
+    from export.source import load_source
+
+    live, alive_at_start = weakref.WeakSet(), []
+
+    def track(cls):
+        init = cls.__init__
+
+        def wrapped(self, *args, **kwargs):
+            gc.collect()
+            alive_at_start.append(len(live))
+            init(self, *args, **kwargs)
+            live.add(self)
+
+        monkeypatch.setattr(cls, "__init__", wrapped)
+
+    for cls in (ort_single_step.FullGraphStepModel, ort_kv_cache.KVCacheStepModel, pytorch.TorchStepModel):
+        track(cls)
+    model, tokenizer, *_ = load_source(str(tiny_model_dir))
+    recorded = load_manifest(tiny_export_dir).data["verification"]
+    sentences = verify.read_dev_sentences(None, 64)
+    greedy = verify.read_dev_sentences(None, 16)
+    result = verify.run(model, tokenizer, tiny_export_dir, sentences, greedy, 48, 2)
+    beams = 5 if result["model_decoding"] else 0
+    assert len(alive_at_start) == 4 + 5 + beams and max(alive_at_start) == 0, alive_at_start
+    assert result["logits"] == recorded["logits"]
+    for key in ("greedy", "model_decoding"):
+        for report in (result[key], recorded[key]):
+            for entry in (report or {"backends": {}})["backends"].values():
+                entry.pop("seconds")
+            (report or {}).pop("reference_seconds", None)
+        assert result[key] == recorded[key], key
