@@ -18,6 +18,7 @@ from pathlib import Path
 
 import onnx
 from onnx import TensorProto, helper
+from onnx.external_data_helper import load_external_data_for_model
 
 # Ops kept in fp32 inside the fp16 graphs. Empty by default: the measured |Δlogit| (in the sidecar)
 # says whether that holds for a given model; the converter's own default block list still applies.
@@ -58,12 +59,19 @@ def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_O
     from .onnx_io import check, external_files, save
 
     external = bool(external_files(src))
-    model = onnx.load(str(src))
+    # The weights come in after shape inference: the converter's own inference (its default)
+    # serializes and parses the whole model, up to four copies of the weights at once (7 GB for
+    # NLLB-600M's 1.76 GB encoder); on the weightless graph it gives the same types and shapes.
+    model = onnx.load(str(src), load_external_data=False)
     # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
     del model.graph.value_info[:]
     rerouted = _route_outputs_through_identity(model)
     block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep_fp32_ops))
-    converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
+    if external:
+        model = onnx.shape_inference.infer_shapes(model)  # initializers' dims and types, no data
+        load_external_data_for_model(model, str(Path(src).parent))
+    converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block,
+                                         disable_shape_infer=external)
     casts = _retarget_float_casts(converted)
     del model
     save(converted, dst, external_data=external)
