@@ -28,7 +28,7 @@ from corpus import read_sentences
 from service import RequestLimits
 from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab
 from ui.compare_render import CSS, LABELS
-from ui.state import REPO, Loaded
+from ui.state import REPO, Loaded, model_heading
 
 logger = logging.getLogger("app")
 
@@ -43,11 +43,12 @@ def build_app(loaded: Loaded) -> gr.Blocks:
     """The page: a header naming the model and what loaded, then the Compare, Benchmark and Batch
     spot-check tabs. Every tab's model work shares one slot (concurrency_id "model")."""
     names = loaded.names
-    with gr.Blocks(title="MarianMT en→zh: PyTorch vs ONNX Runtime") as demo:
+    heading = model_heading(loaded.manifest)  # "NLLB-200 eng_Latn→zho_Hans", "Marian en→zh"
+    with gr.Blocks(title=f"{heading}: PyTorch vs ONNX Runtime") as demo:
         failed = ", ".join(LABELS.get(n, n) for n in loaded.load_errors)
         failed = f" (could not load: {html.escape(failed)}; see their panels)" if failed else ""
         gr.Markdown(
-            f"## MarianMT en→zh · PyTorch vs ONNX Runtime, side by side\n"
+            f"## {html.escape(heading)} · PyTorch vs ONNX Runtime, side by side\n"
             f"Model **{html.escape(str(loaded.model))}** · export `{html.escape(str(loaded.export_dir))}` "
             f"({html.escape(loaded.export_note)}) · {len(loaded.backends)}/{len(names)} backends loaded{failed}. "
             "Each backend runs alone, one after the other; results appear as each finishes. Divergence and "
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default=os.environ.get("MODEL_ID") or str(DEFAULT_MODEL),
-        help="Marian model folder, hub id, or an export folder (default: $MODEL_ID, else the embedded model)",
+        help="model folder (Marian, NLLB-200/M2M100, mBART-50), hub id, or an export folder (default: $MODEL_ID, else the embedded model)",
     )
     parser.add_argument("--export-dir", type=Path, default=None, help="where to export (default: exports/<model name>)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="cap per translation (default: model limit)")

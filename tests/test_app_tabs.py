@@ -293,3 +293,20 @@ def test_timings_from_a_busy_machine_carry_a_warning(start, end, warned):
     assert bool(text) == warned
     if warned:
         assert f"reached {max(start, end):.1f} on 2 cores" in text
+
+
+def test_the_header_names_the_models_family_and_languages(tiny_backends, tmp_path):
+    """The page title and header say which model family translates which languages (the sidecar's,
+    for Marian its tokenizer's single pair), not a fixed "MarianMT en→zh"."""
+    from ui.state import model_heading
+
+    loaded = loaded_app(tiny_backends, tmp_path)
+    heading = model_heading(loaded.manifest)
+    assert heading == "Marian en→zh"
+    demo = build_app(loaded)
+    header = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "header")
+    assert demo.title == "Marian en→zh: PyTorch vs ONNX Runtime"
+    assert header.value.startswith("## Marian en→zh · PyTorch vs ONNX Runtime") and "MarianMT" not in header.value
+    # nothing loaded: the export folder's sidecar still names the model
+    assert model_heading(Loaded({}, {"pytorch": "x"}, export_dir=tiny_backends["pytorch"].manifest.root).manifest) == heading
+    assert model_heading(Loaded({}, {"pytorch": "x"}).manifest) == "Model"

@@ -438,3 +438,18 @@ def test_shared_tables_read_only_the_tables_from_external_data(external_export_d
     assert set(tables) == set(expected) and expected
     for name, array in tables.items():
         assert array.dtype == expected[name].dtype and np.array_equal(array.view(np.uint8), expected[name].view(np.uint8))
+
+
+def test_the_app_header_names_the_family_and_the_languages(family_export_dir, family_backends):
+    from app import build_app
+    from ui.state import Loaded, model_heading
+
+    expected = {"nllb-tiny": "NLLB-200 eng_Latn→zho_Hans", "mbart50-tiny": "mBART-50 en_XX→zh_CN"}[family_export_dir.name]
+    loaded = Loaded({"ort_int8": family_backends["ort_int8"]}, model=str(family_export_dir))
+    assert model_heading(loaded.manifest) == expected
+    demo = build_app(loaded)
+    assert demo.title == f"{expected}: PyTorch vs ONNX Runtime"
+    # --tgt-lang reaches the heading through the backends' sidecar
+    code = {"nllb-tiny": "fra_Latn", "mbart50-tiny": "fr_XX"}[family_export_dir.name]
+    overridden = load_manifest(family_export_dir).with_languages(None, code)
+    assert model_heading(overridden) == expected.rsplit("→", 1)[0] + "→" + code

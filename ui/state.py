@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends import BACKEND_NAMES
+from backends import BACKEND_NAMES, ManifestError, load_manifest
 from service import RequestLimits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,3 +30,42 @@ class Loaded:
     @property
     def names(self) -> list[str]:
         return [n for n in BACKEND_NAMES if n in self.backends or n in self.load_errors]
+
+    @property
+    def manifest(self):
+        """The served export's sidecar: a loaded backend's (with the --src-lang/--tgt-lang the
+        backends were loaded with), else the export folder's own; None when neither is readable."""
+        for backend in self.backends.values():
+            return backend.manifest
+        if self.export_dir is not None:
+            try:
+                return load_manifest(self.export_dir)
+            except (ManifestError, OSError, ValueError):
+                return None
+        return None
+
+
+# The family's published name, by sidecar family and tokenizer class (one family serves NLLB and M2M100).
+FAMILY_LABELS = {"marian": "Marian", "mbart": "mBART-50"}
+M2M100_LABELS = {"NllbTokenizer": "NLLB-200", "M2M100Tokenizer": "M2M100"}
+
+
+def model_heading(manifest) -> str:
+    """"NLLB-200 eng_Latn→zho_Hans", "mBART-50 en_XX→zh_CN", "Marian en→zh": the family and the
+    languages the backends translate between. The codes come from the sidecar (after any override);
+    a Marian model has one pair, which its tokenizer_config.json names (source_lang/target_lang).
+    Without a sidecar: "Model"."""
+    if manifest is None:
+        return "Model"
+    family = manifest.family
+    label = M2M100_LABELS.get(manifest.tokenizer_class, "M2M100") if family == "m2m_100" else FAMILY_LABELS.get(
+        family, family)
+    languages = manifest.languages
+    if languages:
+        return f"{label} {languages['src_lang']}→{languages['tgt_lang']}"
+    try:
+        config = json.loads((Path(manifest.root) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        pair = config.get("source_lang"), config.get("target_lang")
+    except (OSError, ValueError):
+        pair = None, None
+    return f"{label} {pair[0]}→{pair[1]}" if all(pair) else label
