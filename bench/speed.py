@@ -22,7 +22,7 @@ from backends import REFERENCE
 from corpus import Pair
 from service.environment import environment
 from service.reports import write
-from service.speedrun import SpeedOptions, add_comparisons, make_spec, model_info, sentence_info
+from service.speedrun import SpeedOptions, add_comparisons, decoding_sentence, make_spec, model_info, sentence_info
 
 from . import floor as floor_mod, peers as peers_mod
 from .data import REPO, default_backends
@@ -93,23 +93,6 @@ def decode_args(decoding: dict, ct2: bool = False) -> list[str]:
     if "early_stopping" in given and not ct2:  # CTranslate2 has no early_stopping (its patience stays 1)
         args += ["--early-stopping", str(decoding["early_stopping"]).lower()]
     return args
-
-
-def decoding_sentence(decoding: dict, ct2: bool = False) -> str:
-    """One sentence stating the search every runtime ran, for what_is_timed and report.md (`ct2`: with
-    CTranslate2 among them)."""
-    if decoding["search"] == "greedy":
-        return "Greedy search (num_beams 1) for every runtime."
-    config = "the export's generation config"
-    settings = "; ".join(f"{k} {decoding[k]} ({'given' if k in decoding['given'] else config})"
-                         for k in ("length_penalty", "early_stopping"))
-    text = (f"Beam search with {decoding['num_beams']} beams for every runtime, the best hypothesis kept "
-            f"(num_beams from {decoding['num_beams_from']}; {settings}).")
-    if ct2:
-        text += (" CTranslate2 gets the same length_penalty and keeps its own stopping rule (patience 1); it scores "
-                 "and length-normalises hypotheses its own way, so its agreement with the reference is a "
-                 "measurement, not expected to be 100%.")
-    return text
 
 
 def source_ids(export_dir: Path, sentences: list[str]) -> list[list[int]]:
@@ -266,31 +249,11 @@ def run(
         results["sweep_skipped"] = sweep_skipped
     add_comparisons(results, [p.zh for p in pairs])
     write(results, out_dir)
-    state_decoding(out_dir / "report.md", results)
     return results
 
 
 def _has_ct2(names) -> bool:
     return any(n.startswith("ct2") for n in names or [])
-
-
-def state_decoding(report: Path, results: dict) -> None:
-    """report.md (rendered by service/reports.py, which states greedy search and lists beam search as not
-    measured) rewritten to state this run's decoding: a beam run can never read as a greedy one."""
-    d = results["decoding"]
-    md = report.read_text(encoding="utf-8")
-    line = f"Decoding: {d['label']}. {decoding_sentence(d, _has_ct2([*results['runtimes'], *results['failed']]))}"
-    if results.get("sweep_skipped"):
-        line += f" No output-length sweep: {results['sweep_skipped']}."
-    if "Greedy search everywhere." in md:
-        md = md.replace("Greedy search everywhere.", line, 1)
-    else:  # the renderer changed: still say it, right under the title
-        title, _, rest = md.partition("\n")
-        md = f"{title}\n\n{line}\n{rest}"
-    if d["search"] == "beam":  # this run measured it
-        md = "\n".join(x.replace("beam search, ", "").replace(", beam search", "") if x.startswith("Not measured:")
-                        else x for x in md.split("\n"))
-    report.write_text(md, encoding="utf-8")
 
 
 def _log_result(name: str, r: dict, log) -> None:

@@ -41,13 +41,17 @@ class Runtime(Protocol):
 
 class BackendRuntime:
     """Adapts one of our backends (`backends.Backend`) to the protocol. top_k=1: the fewest
-    per-step alternatives kept."""
+    per-step alternatives kept. `decode`: the search options; greedy unless given, because a
+    model's own generation config may ask for beams and a benchmark must know which search it timed."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, decode: dict | None = None):
         self.backend = backend
+        self.decode = {"num_return_sequences": 1, **(decode or {"num_beams": 1})}
 
     def translate(self, texts, max_new_tokens, min_new_tokens):
-        results = self.backend.translate(texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1)
+        results = self.backend.translate(
+            texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1, **self.decode
+        )
         return [Output(t.token_ids, t.text) for t in results]
 
 

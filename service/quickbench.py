@@ -20,7 +20,7 @@ from corpus import DEV_TSV, Pair, default_sample
 from .environment import environment
 from .protocol import BackendRuntime, measure
 from .reports import write
-from .speedrun import SpeedOptions, add_comparisons, make_spec, model_info, sentence_info
+from .speedrun import GREEDY, SpeedOptions, add_comparisons, make_spec, model_info, sentence_info
 
 QUICK_RUN_LIMIT = 20  # sentences in the app's quick run: a few seconds per backend on a small CPU
 FULL_COMMAND = "python -m bench speed"  # the full benchmark, named wherever the quick run falls short of it
@@ -28,7 +28,7 @@ FULL_COMMAND = "python -m bench speed"  # the full benchmark, named wherever the
 QUICK_WHAT_IS_TIMED = (
     "Wall-clock time of one translate call per batch (time.perf_counter): tokenization, encoder, every "
     "decoder step, the runtime's search loop and detokenization. Excluded: model loading (the app loaded "
-    "the backends when it started) and the warm-up calls (one single sentence and one batch). Greedy search. "
+    "the backends when it started) and the warm-up calls (one single sentence and one batch). Greedy search (num_beams 1), whatever the model's own generation config. "
     "Quick run: all backends share the app's process, one after the other, while no translation runs; load "
     "time, peak memory, size on disk and the output-length sweep are not measured (`python -m bench speed` "
     "measures them, each runtime alone in its own process)."
@@ -122,6 +122,7 @@ def quick_run(
         "options": {**options.__dict__, "batch_sizes": list(options.batch_sizes), "sweep_lengths": []},
         "sentences": info,
         "what_is_timed": QUICK_WHAT_IS_TIMED,
+        "decoding": GREEDY,  # BackendRuntime's default, whatever the model's own config says
         "reference": REFERENCE,
         "runtimes": runtimes,
         "failed": {},

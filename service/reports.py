@@ -12,7 +12,16 @@ import json
 from pathlib import Path
 
 from .fmt import num, ratio
-from .speedrun import NOT_MEASURED
+from .speedrun import GREEDY, decoding_sentence, not_measured
+
+
+def _decoding_line(results: dict) -> str:
+    d = results.get("decoding") or GREEDY
+    ct2 = any(n.startswith("ct2") for n in [*results["runtimes"], *results.get("failed", {})])
+    line = f"Decoding: {d['label']}. {decoding_sentence(d, ct2)}"
+    if results.get("sweep_skipped"):
+        line += f" No output-length sweep: {results['sweep_skipped']}."
+    return line
 
 
 def env_lines(results: dict) -> list[str]:
@@ -47,7 +56,8 @@ def render_speed(results: dict) -> str:
         f"over {s['throughput_sentences']} length-sorted, length sweep over {s['sweep_sentences']}.",
         ("Output length: forced to " f"{forced} tokens for every runtime (min_new_tokens = max_new_tokens)."
          if forced else f"Output length: up to eos, capped at {o['max_new_tokens']} tokens."),
-        f"Reference for ratios and agreement: `{ref}`. Greedy search everywhere.",
+        f"Reference for ratios and agreement: `{ref}`.",
+        _decoding_line(results),
     ]
     if o.get("rounds", 1) > 1:
         out.append(
@@ -141,7 +151,7 @@ def render_speed(results: dict) -> str:
             if kv in sweep and ss in sweep and str(n) in sweep[kv] and str(n) in sweep[ss]:
                 row.append(ratio(sweep[ss][str(n)]["ms_per_sentence"] / sweep[kv][str(n)]["ms_per_sentence"]))
             out.append("| " + " | ".join(row) + " |")
-    out += ["", "## What is timed", "", results["what_is_timed"], "", f"Not measured: {NOT_MEASURED}.", ""]
+    out += ["", "## What is timed", "", results["what_is_timed"], "", f"Not measured: {not_measured(results)}.", ""]
     if forced:
         out += ["With forced lengths every runtime runs the same number of decoder steps; the outputs of a "
                 "random-weight model mean nothing, so BLEU is not reported and agreement only shows whether "

@@ -60,6 +60,32 @@ NOT_MEASURED = (
     "GPUs, and the accuracy of a random-weight fixture (meaningless)"
 )
 
+GREEDY = {"search": "greedy", "num_beams": 1, "label": "greedy"}  # results without a "decoding" block
+
+
+def not_measured(results: dict) -> str:
+    """NOT_MEASURED for this run: beam search is measured when the run used it."""
+    if (results.get("decoding") or GREEDY)["search"] == "beam":
+        return NOT_MEASURED.replace("beam search, ", "")
+    return NOT_MEASURED
+
+
+def decoding_sentence(decoding: dict, ct2: bool = False) -> str:
+    """One sentence stating the search every runtime ran, for what_is_timed and report.md (`ct2`: with
+    CTranslate2 among them)."""
+    if decoding["search"] == "greedy":
+        return "Greedy search (num_beams 1) for every runtime."
+    config = "the export's generation config"
+    settings = "; ".join(f"{k} {decoding[k]} ({'given' if k in decoding['given'] else config})"
+                         for k in ("length_penalty", "early_stopping"))
+    text = (f"Beam search with {decoding['num_beams']} beams for every runtime, the best hypothesis kept "
+            f"(num_beams from {decoding['num_beams_from']}; {settings}).")
+    if ct2:
+        text += (" CTranslate2 gets the same length_penalty and keeps its own stopping rule (patience 1); it scores "
+                 "and length-normalises hypotheses its own way, so its agreement with the reference is a "
+                 "measurement, not expected to be 100%.")
+    return text
+
 
 def make_spec(sentences: list[str], lengths: list[int], options: SpeedOptions, sweep: bool,
               ids: list[list[int]] | None = None) -> Spec:

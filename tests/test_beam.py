@@ -670,3 +670,17 @@ def test_the_opus_sized_fixture_decodes_as_the_published_model(tmp_path, monkeyp
     g = model.generation_config
     assert (g.num_beams, g.max_length, g.bad_words_ids, g.forced_eos_token_id) == (4, 512, [[65000]], 0)
     assert model.config.vocab_size == 65001
+
+
+def test_benchmarks_time_greedy_search_unless_told_even_when_the_model_beams(peaked):
+    """The speed protocol's adapter: the peaked model's own config asks for 4 beams, the benchmark
+    (and the app's quick run, which states greedy) must time greedy search unless given beams."""
+    from service.protocol import BackendRuntime
+
+    backend = peaked["ort_fp32_kv_cache"]
+    texts = ["The cat sat on the mat.", "Open the file menu and choose Save as."]
+    greedy = [t.token_ids for t in backend.translate(texts, num_beams=1, max_new_tokens=12)]
+    beams = [t.token_ids for t in backend.translate(texts, max_new_tokens=12)]  # the model's own: 4 beams
+    assert greedy != beams  # else this test could not tell them apart
+    assert [o.ids for o in BackendRuntime(backend).translate(texts, 12, 0)] == greedy
+    assert [o.ids for o in BackendRuntime(backend, {"num_beams": 4}).translate(texts, 12, 0)] == beams

@@ -28,7 +28,7 @@ from service.quickbench import (
     save_quick,
 )
 from service.reports import find_reports, load_report
-from service.speedrun import NOT_MEASURED
+from service.speedrun import not_measured
 
 from .machine import load_warning
 from .state import REPO
@@ -203,7 +203,7 @@ def claims_md(results: dict) -> str:
 
 
 def method_md(results: dict) -> str:
-    return f"**What is timed.** {results['what_is_timed']}\n\n**Not measured:** {NOT_MEASURED}."
+    return f"**What is timed.** {results['what_is_timed']}\n\n**Not measured:** {not_measured(results)}."
 
 
 def _without_image_links(markdown: str) -> str:
