@@ -1,4 +1,4 @@
-"""python -m export SRC --out DIR: a HF Marian model to verified ONNX graphs plus manifest.json."""
+"""python -m export SRC --out DIR: a HF translation model (Marian, NLLB-200/M2M100, mBART-50) to verified ONNX graphs plus manifest.json."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .source import SourceError
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
-    parser.add_argument("src", help="local Marian model folder, or a hub id where a hub is reachable")
+    parser.add_argument("src", help="local model folder (Marian, NLLB-200/M2M100, mBART-50), or a hub id where a hub is reachable")
     parser.add_argument("--out", type=Path, required=True, help="export folder to create")
     parser.add_argument("--force", action="store_true", help="replace an existing export folder")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-sentences", type=int, default=16)
     parser.add_argument("--verify-max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
+    parser.add_argument("--src-lang", default=None, help="source language code (NLLB eng_Latn, mBART en_XX; default English)")
+    parser.add_argument("--tgt-lang", default=None, help="target language code, forced first (default Chinese: zho_Hans, zh, zh_CN)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             verify_sentences=args.verify_sentences,
             verify_max_new_tokens=args.verify_max_new_tokens,
             threads=args.threads,
+            src_lang=args.src_lang,
+            tgt_lang=args.tgt_lang,
         )
         out = export(args.src, options)
     except (FileExistsError, SourceError, ExportError, ValueError) as e:

@@ -199,7 +199,7 @@ def test_a_target_language_override_forces_its_code(family_export_dir, family_mo
         assert got == expected and all(ids[0] == forced for ids in got), name
 
 
-def test_unknown_language_codes_are_refused_with_the_known_ones(family_export_dir, family_model_dir, tmp_path):
+def test_unknown_language_codes_are_refused_with_the_known_ones(family_export_dir, family_model_dir, tmp_path, capsys):
     from export.pipeline import ExportOptions, export
     from export.source import SourceError
 
@@ -212,6 +212,11 @@ def test_unknown_language_codes_are_refused_with_the_known_ones(family_export_di
         export(str(family_model_dir), ExportOptions(out=tmp_path / "x", tgt_lang="klingon", verify=False),
                log=lambda *a, **k: None)
     assert not (tmp_path / "x").exists()
+    from export.__main__ import main as export_main  # the CLI's --tgt-lang, as the README shows it
+
+    assert export_main([str(family_model_dir), "--out", str(tmp_path / "y"), "--no-verify", "--tgt-lang", "klingon"]) == 2
+    assert f"unknown target language 'klingon'; the tokenizer knows: " in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
 
 
 def test_app_refuses_an_unknown_language_code(family_export_dir, capsys):
