@@ -199,6 +199,10 @@ def ct2_kwargs(decode: dict | None) -> dict:
     kwargs = {"beam_size": int(decode.get("num_beams", 1))}
     if decode.get("length_penalty") is not None:
         kwargs["length_penalty"] = float(decode["length_penalty"])
+    if decode.get("repetition_penalty") is not None:
+        kwargs["repetition_penalty"] = float(decode["repetition_penalty"])
+    if decode.get("no_repeat_ngram_size"):
+        kwargs["no_repeat_ngram_size"] = int(decode["no_repeat_ngram_size"])
     return kwargs
 
 
@@ -311,11 +315,17 @@ def worker(argv=None) -> int:
     parser.add_argument("--num-beams", type=int, default=1, help="1: greedy search (the default)")
     parser.add_argument("--length-penalty", type=float, help="beam search; default: the model's generation config")
     parser.add_argument("--early-stopping", type=early_stopping_arg, help="beam search (not CTranslate2): true, false or never")
+    parser.add_argument("--repetition-penalty", type=float,
+                        help="CTranslate2 only (it reads no generation config): the model's repetition_penalty")
+    parser.add_argument("--no-repeat-ngram-size", type=int,
+                        help="CTranslate2 only (it reads no generation config): the model's no_repeat_ngram_size")
     args = parser.parse_args(argv)
     if args.num_beams < 1:
         parser.error(f"--num-beams must be at least 1, got {args.num_beams}")
     decode = {"num_beams": args.num_beams}
-    decode.update({k: v for k, v in (("length_penalty", args.length_penalty), ("early_stopping", args.early_stopping))
+    decode.update({k: v for k, v in (("length_penalty", args.length_penalty), ("early_stopping", args.early_stopping),
+                                     ("repetition_penalty", args.repetition_penalty),
+                                     ("no_repeat_ngram_size", args.no_repeat_ngram_size))
                    if v is not None})
     spec = Spec.load(args.spec)
     _threads_env(spec.threads)

@@ -68,11 +68,15 @@ def resolve_decoding(manifest, num_beams: int | str = 1, length_penalty: float |
     if early_stopping is not None and early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be one of: true, false, never; got {early_stopping!r}")
     source = "the export's generation config (--num-beams model)" if from_model else "the command line"
+    # The model's repetition control applies to every search; recorded so CTranslate2, which reads
+    # no generation config, can be given the same.
+    rules = {"repetition_penalty": float(g.repetition_penalty), "no_repeat_ngram_size": int(g.no_repeat_ngram_size)}
     if beams == 1:
         if given:
             raise ValueError(f"{' and '.join(given)}: beam search only, and num_beams is 1 (from {source})")
-        return {"search": "greedy", "num_beams": 1, "label": "greedy", "num_beams_from": source}
+        return {"search": "greedy", "num_beams": 1, "label": "greedy", "num_beams_from": source, **rules}
     return {
+        **rules,
         "search": "beam", "num_beams": beams, "label": f"beam {beams}", "num_beams_from": source,
         "length_penalty": float(g.length_penalty if length_penalty is None else length_penalty),
         "early_stopping": g.early_stopping if early_stopping is None else early_stopping,
@@ -85,6 +89,11 @@ def decode_args(decoding: dict, ct2: bool = False) -> list[str]:
     export's (and the peer's model folder's) generation config decides the rest; CTranslate2 reads no
     generation config, so it always gets the effective length_penalty in beam search."""
     args = ["--num-beams", str(decoding["num_beams"])]
+    if ct2:  # CTranslate2 reads no generation config: the model's repetition control, given explicitly
+        if decoding.get("repetition_penalty", 1.0) != 1.0:
+            args += ["--repetition-penalty", repr(decoding["repetition_penalty"])]
+        if decoding.get("no_repeat_ngram_size"):
+            args += ["--no-repeat-ngram-size", str(decoding["no_repeat_ngram_size"])]
     if decoding["search"] == "greedy":
         return args
     given = decoding["given"]

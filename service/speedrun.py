@@ -81,7 +81,9 @@ def decoding_sentence(decoding: dict, ct2: bool = False) -> str:
     text = (f"Beam search with {decoding['num_beams']} beams for every runtime, the best hypothesis kept "
             f"(num_beams from {decoding['num_beams_from']}; {settings}).")
     if ct2:
-        text += (" CTranslate2 gets the same length_penalty and keeps its own stopping rule (patience 1); it scores "
+        text += (" CTranslate2 gets the same length_penalty (and the model's repetition_penalty and "
+                 "no_repeat_ngram_size, which it cannot read from the generation config) and keeps its own stopping "
+                 "rule (patience 1); it scores "
                  "and length-normalises hypotheses its own way, so its agreement with the reference is a "
                  "measurement, not expected to be 100%.")
     return text

@@ -359,6 +359,15 @@ def test_decoding_options_reach_every_worker_command():
         "num_beams": 4, "do_sample": False, "num_return_sequences": 1, "early_stopping": "never"}
     assert peers.ct2_kwargs({"num_beams": 4, "length_penalty": 0.6}) == {"beam_size": 4, "length_penalty": 0.6}
     assert peers.ct2_kwargs(None) == {"beam_size": 1}
+    # The model's repetition control: CTranslate2 reads no generation config, so it is given it.
+    ruled = {**beam, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2}
+    assert decode_args(ruled) == ["--num-beams", "4"]
+    assert decode_args(ruled, ct2=True) == ["--num-beams", "4", "--repetition-penalty", "1.2",
+                                            "--no-repeat-ngram-size", "2", "--length-penalty", "1.0"]
+    assert decode_args({**greedy, "repetition_penalty": 1.2, "no_repeat_ngram_size": 0}, ct2=True) == [
+        "--num-beams", "1", "--repetition-penalty", "1.2"]
+    assert peers.ct2_kwargs({"num_beams": 4, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2}) == {
+        "beam_size": 4, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2}
 
 
 def test_num_beams_model_takes_the_export_generation_config(tiny_export_dir):
