@@ -118,6 +118,25 @@ def check_tokenizer_matches(tokenizer, config, codes: dict[str, int], where: str
         raise SourceError(f"{where}: the tokenizer does not match the model: " + "; ".join(problems))
 
 
+def check_weights_match(loading: dict, where: str) -> None:
+    """Refuse a checkpoint whose weights do not fit its config. transformers only warns when the
+    config asks for weights the file lacks (it initialises them randomly): the export would then
+    verify perfectly against a model that translates garbage."""
+    problems = []
+    for key, what in (("missing_keys", "in the config, not in the weights (would be random)"),
+                      ("unexpected_keys", "in the weights, not in the config (ignored)"),
+                      ("mismatched_keys", "of another shape than the config says")):
+        names = sorted(
+            f"{k[0]} (weights {list(k[1])}, config {list(k[2])})" if isinstance(k, tuple) and len(k) == 3 else str(k)
+            for k in loading.get(key) or ()
+        )
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(f"{len(names)} tensor(s) {what}: {shown}")
+    if problems:
+        raise SourceError(f"{where}: the weights do not match config.json; " + "; ".join(problems))
+
+
 def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = None):
     """Return (model in eval mode, tokenizer, source record for the sidecar, family, languages).
 
@@ -147,7 +166,17 @@ def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = No
         src_lang, tgt_lang = src_lang or default_src, tgt_lang or default_tgt
         kwargs = {"src_lang": src_lang, "tgt_lang": tgt_lang} if default_src else {}
         tokenizer = getattr(transformers, tokenizer_class).from_pretrained(where, **kwargs)
-        model = getattr(transformers, family.architecture).from_pretrained(where).eval()
+        model_class = getattr(transformers, family.architecture)
+        try:
+            model, loading = model_class.from_pretrained(where, output_loading_info=True)
+        except RuntimeError as e:  # shapes that differ from the config: find which, then refuse
+            if "mismatch" not in str(e):
+                raise SourceError(f"could not load {where}: {e}") from e
+            _, loading = model_class.from_pretrained(where, output_loading_info=True, ignore_mismatched_sizes=True)
+            check_weights_match(loading, where)
+            raise SourceError(f"{where}: the weights do not match config.json: {e}") from e
+        model.eval()
+        check_weights_match(loading, where)
     except SourceError:
         raise
     except OSError as e:

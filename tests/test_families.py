@@ -215,7 +215,7 @@ def test_unknown_language_codes_are_refused_with_the_known_ones(family_export_di
     from export.__main__ import main as export_main  # the CLI's --tgt-lang, as the README shows it
 
     assert export_main([str(family_model_dir), "--out", str(tmp_path / "y"), "--no-verify", "--tgt-lang", "klingon"]) == 2
-    assert f"unknown target language 'klingon'; the tokenizer knows: " in capsys.readouterr().err
+    assert "unknown target language 'klingon'; the tokenizer knows: " in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
 
 
@@ -458,3 +458,32 @@ def test_the_app_header_names_the_family_and_the_languages(family_export_dir, fa
     code = {"nllb-tiny": "fra_Latn", "mbart50-tiny": "fr_XX"}[family_export_dir.name]
     overridden = load_manifest(family_export_dir).with_languages(None, code)
     assert model_heading(overridden) == expected.rsplit("→", 1)[0] + "→" + code
+
+
+@pytest.mark.parametrize("change", ["more_layers", "wider_ffn"])
+def test_a_checkpoint_whose_weights_do_not_match_its_config_is_refused(tiny_model_dir, tmp_path, change):
+    """transformers only warns on missing weights (and initialises them randomly): the export would
+    then verify against a model that translates garbage. It is refused, naming the tensors."""
+    import shutil
+
+    from export.pipeline import ExportOptions, export
+    from export.source import SourceError
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if change == "more_layers":
+        config["encoder_layers"] += 1
+    else:
+        config["encoder_ffn_dim"] *= 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SourceError) as e:
+        export(str(folder), ExportOptions(out=tmp_path / "x", verify=False), log=lambda *a, **k: None)
+    message = str(e.value)
+    assert "the weights do not match config.json" in message, message
+    if change == "more_layers":
+        assert "in the config, not in the weights (would be random)" in message
+        assert f"encoder.layers.{config['encoder_layers'] - 1}." in message
+    else:
+        assert "fc1.weight" in message
+    assert not (tmp_path / "x").exists()
