@@ -2,12 +2,14 @@
 
 `load_backends(export_dir)` returns them by name, in this order: pytorch (the reference),
 ort_fp32_single_step, ort_fp32_kv_cache, ort_fp16, ort_int8. Heavy imports happen inside the loaders, so
-importing this package (or an ORT backend) never imports torch.
+importing this package (or an ORT backend) never imports torch. `external={NAME: DIR}` adds exports made
+elsewhere (Hugging Face Optimum's layout) of the same model, checked against it first (ort_external.py).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from .base import MAX_BEAMS, Backend, DecodeOptions, ForcedScores, Hypothesis, StepScore, Translation
@@ -53,6 +55,27 @@ def _build(
     else:
         raise ValueError(f"unknown backend {name!r}; expected one of: {', '.join(BACKEND_NAMES)}")
     return Backend(name, model, tokenizer, manifest, model.info)
+
+
+def _check_external(external) -> dict[str, str]:
+    """{NAME: DIR} of external exports (backends/ort_external.py): names must be new and plain."""
+    external = dict(external or {})
+    clash = [n for n in external if n in BACKEND_NAMES or n == "generate"]
+    if clash:
+        raise ValueError(f"external backend name(s) {', '.join(clash)} taken by a built-in backend; "
+                         f"choose others than: {', '.join(BACKEND_NAMES)}, generate")
+    bad = [n for n in external if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", n)]
+    if bad:
+        raise ValueError(f"external backend name(s) {bad!r}: use letters, digits, '_', '.' or '-'")
+    return external
+
+
+def _build_external(
+    name: str, path, manifest: Manifest, tokenizer: TokenizerWrapper, session: SessionConfig
+) -> Backend:
+    from . import ort_external
+
+    return ort_external.load(name, path, manifest, tokenizer, session)
 
 
 def _check_names(names) -> None:
@@ -114,16 +137,23 @@ def load_backends(
     session: SessionConfig = SessionConfig(),
     src_lang: str | None = None,
     tgt_lang: str | None = None,
+    external: dict[str, str | Path] | None = None,
 ) -> dict[str, Backend]:
     """Load the named backends in `BACKEND_NAMES` order; any failure raises.
 
     Backends loaded together share identical lookup tables (`shared_tables`). `src_lang`,
     `tgt_lang`: language codes overriding the export's (models with codes: NLLB, M2M100, mBART-50);
-    an unknown code raises ValueError listing the known ones.
+    an unknown code raises ValueError listing the known ones. `external`: {NAME: DIR} of
+    Optimum-layout exports of the same model, loaded after the built-in ones as backends NAME
+    (backends/ort_external.py); one that is not an export of this model raises, naming what differs.
     """
+    external = _check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
-    return {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
+    loaded = {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
+    for n, path in external.items():
+        loaded[n] = _build_external(n, path, manifest, tokenizer, session)
+    return loaded
 
 
 def try_load_backends(
@@ -132,12 +162,14 @@ def try_load_backends(
     session: SessionConfig = SessionConfig(),
     src_lang: str | None = None,
     tgt_lang: str | None = None,
+    external: dict[str, str | Path] | None = None,
 ) -> tuple[dict[str, Backend], dict[str, str]]:
     """Load what can be loaded; return (backends, {name: error message}) so an app can start anyway.
 
     A broken manifest or tokenizer, or an unknown language code, still raises: no backend can run
-    without them.
+    without them. An `external` export (see `load_backends`) that fails to load or to match fails alone.
     """
+    external = _check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
     loaded, failed = {}, {}
@@ -148,6 +180,12 @@ def try_load_backends(
             loaded[n] = _build(n, manifest, tokenizer, session, tables)
         except Exception as e:  # reported to the user per backend, never swallowed
             logger.warning("backend %s failed to load: %s", n, e)
+            failed[n] = f"{type(e).__name__}: {e}"
+    for n, path in external.items():
+        try:
+            loaded[n] = _build_external(n, path, manifest, tokenizer, session)
+        except Exception as e:  # reported to the user per backend, never swallowed
+            logger.warning("external backend %s (%s) failed to load: %s", n, path, e)
             failed[n] = f"{type(e).__name__}: {e}"
     return loaded, failed
 
