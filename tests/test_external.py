@@ -1,0 +1,245 @@
+"""Someone else's export as a backend (backends/ort_external.py): an Optimum export of the tiny
+fixture, made here by `optimum-cli` in the peer environment, runs through our decoding loop token
+for token like the pytorch backend, greedy and with beams, in both Optimum layouts (merged decoder;
+decoder + decoder with past); a folder of another model is refused naming what differs while the
+other backends load; provenance is recorded; no torch on its path.
+
+The tests that need an Optimum export skip where `.venv-bench` is absent (`make bench-venv`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends import SessionConfig, load_backends, load_manifest, try_load_backends
+from backends.ort_external import ExternalExportError, check, find_layout, parse_external
+from conftest import REPO, dev_sentences
+
+PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+NO_PEERS = "no peer environment with optimum-cli (.venv-bench); `make bench-venv` creates it"
+META = ("config.json", "generation_config.json", "source.spm", "target.spm", "vocab.json", "tokenizer_config.json",
+        "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def optimum_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """`optimum-cli export onnx --task text2text-generation-with-past` of the tiny fixture, made once
+    per module with bench/peers.py's own conversion (it writes all four graphs)."""
+    if not (PEER_PYTHON.parent / "optimum-cli").is_file():
+        pytest.skip(NO_PEERS)
+    from bench.peers import prepare
+
+    prepared = prepare(Path(tiny_model_dir), tmp_path_factory.mktemp("peers"), ["optimum_fp32"], PEER_PYTHON,
+                       log=lambda m: None)["optimum_fp32"]
+    assert "error" not in prepared, prepared["error"]
+    return Path(prepared["dir"])
+
+
+@pytest.fixture(scope="module")
+def split_dir(optimum_dir, tmp_path_factory) -> Path:
+    """The same export without its merged decoder: decoder_model.onnx + decoder_with_past_model.onnx."""
+    out = tmp_path_factory.mktemp("split")
+    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx", *META):
+        if (optimum_dir / name).is_file():
+            (out / name).symlink_to(optimum_dir / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_export_dir, optimum_dir, split_dir):
+    backends = load_backends(tiny_export_dir, names=("pytorch",), session=SessionConfig(threads=2),
+                             external={"optimum": optimum_dir, "optimum_split": split_dir})
+    yield backends
+    for b in backends.values():
+        b.close()
+
+
+def test_optimum_writes_both_layouts_and_the_merged_decoder_is_run(optimum_dir, split_dir, loaded):
+    assert {p.name for p in optimum_dir.glob("*.onnx")} == {
+        "encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx", "decoder_model_merged.onnx"}
+    assert loaded["optimum"].info["graph"] == "encoder_model.onnx + decoder_model_merged.onnx"
+    split = "encoder_model.onnx + decoder_model.onnx + decoder_with_past_model.onnx"
+    assert loaded["optimum_split"].info["graph"] == split
+    assert find_layout(optimum_dir / "encoder_model.onnx").merged == optimum_dir / "decoder_model_merged.onnx"
+
+
+@pytest.mark.parametrize("name", ["optimum", "optimum_split"])
+def test_greedy_ids_identical_to_pytorch_on_8_dev_sentences(loaded, name):
+    sentences = dev_sentences(8)
+    ref = loaded["pytorch"].translate(sentences, max_new_tokens=24, num_beams=1)
+    out = loaded[name].translate(sentences, max_new_tokens=24, num_beams=1)  # one padded batch of 8
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert [o.text for o in out] == [r.text for r in ref]
+    assert sum(len(r.token_ids) for r in ref) > 8 * 3  # real decoding, not eos at once
+    for o, r in zip(out, ref):
+        assert [s.logprob for s in o.scores] == pytest.approx([s.logprob for s in r.scores], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["optimum", "optimum_split"])
+def test_beam_4_ids_and_n_best_identical_to_pytorch(loaded, name):
+    sentences = dev_sentences(8)
+    decode = dict(max_new_tokens=16, num_beams=4, num_return_sequences=4)
+    ref = loaded["pytorch"].translate(sentences, **decode)
+    out = loaded[name].translate(sentences, **decode)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    for o, r in zip(out, ref):
+        assert [h.token_ids for h in o.hypotheses] == [h.token_ids for h in r.hypotheses]
+        assert [h.score for h in o.hypotheses] == pytest.approx([h.score for h in r.hypotheses], abs=1e-4)
+    # One sentence alone decodes as it did in the batch (the per-sentence first step and its repeat).
+    (single,) = loaded[name].translate(sentences[3:4], **decode)
+    assert single.token_ids == out[3].token_ids
+
+
+def test_teacher_forced_scores_match_pytorch(loaded):
+    text = dev_sentences(3)[2]
+    target = loaded["pytorch"].translate([text], max_new_tokens=12, num_beams=1)[0].token_ids
+    ref = loaded["pytorch"].score(text, target)
+    out = loaded["optimum"].score(text, target)
+    assert out.ranks == ref.ranks
+    assert abs(out.logits - ref.logits).max() < 1e-3
+
+
+def test_provenance_is_recorded(loaded, optimum_dir, tiny_export_dir):
+    info = loaded["optimum"].info
+    assert info["precision"] == "fp32" and info["threads"] == 2 and info["runtime"].startswith("ONNX Runtime")
+    source = info["source"]
+    assert source["folder"] == str(optimum_dir) and "merged decoder" in source["layout"]
+    files = {f["file"]: f for f in source["files"]}
+    assert set(files) == {"encoder_model.onnx", "decoder_model_merged.onnx"}
+    for name, f in files.items():
+        data = (optimum_dir / name).read_bytes()
+        assert f["bytes"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+        assert isinstance(f["opset"], int) and f["opset"] >= 11 and f["producer"] and f["external_data"] == []
+    assert files["decoder_model_merged.onnx"]["producer"].startswith("optimum")
+    model = load_manifest(tiny_export_dir).data["model"]
+    heads = model["decoder_attention_heads"]
+    assert source["cache"] == {"layers": model["decoder_layers"], "heads": heads,
+                               "head_dim": model["d_model"] // heads, "dtype": "float32"}
+    assert source["config"]["model_type"] == "marian" and source["config"]["vocab_size"] == model["vocab_size"]
+    assert any("tokenizer" in c for c in source["checked"])
+
+
+def _mismatched_copy(optimum_dir: Path, out: Path) -> Path:
+    """The export with another vocabulary: config.json's size and pad id changed, two ids' pieces swapped."""
+    shutil.copytree(optimum_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["vocab_size"] += 7
+    config["pad_token_id"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
+    by_id = {i: p for p, i in vocab.items()}
+    vocab[by_id[10]], vocab[by_id[11]] = 11, 10
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    return out
+
+
+def test_another_models_export_is_refused_naming_what_differs_and_others_still_load(
+    tiny_export_dir, optimum_dir, tmp_path
+):
+    bad = _mismatched_copy(optimum_dir, tmp_path / "other")
+    vocab = load_manifest(tiny_export_dir).vocab_size
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    loaded, failed = try_load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), session=SessionConfig(threads=2),
+                                       external={"theirs": bad, "nothing": empty, "optimum": optimum_dir})
+    try:
+        assert set(loaded) == {"ort_fp32_kv_cache", "optimum"} and set(failed) == {"theirs", "nothing"}
+        message = failed["theirs"]
+        assert message.startswith("ExternalExportError: ") and "is not an export of the reference model" in message
+        assert f"config.json vocab_size is {vocab + 7}, the reference's {vocab}" in message
+        assert "config.json pad_token_id is 3" in message
+        assert f"tokenizer: 2 of {vocab} ids map to other pieces (id 10:" in message
+        assert "no encoder_model.onnx: not an Optimum-layout export" in failed["nothing"]
+        text = dev_sentences(1)
+        assert loaded["optimum"].translate(text, max_new_tokens=8)[0].token_ids == \
+            loaded["ort_fp32_kv_cache"].translate(text, max_new_tokens=8)[0].token_ids
+    finally:
+        for b in loaded.values():
+            b.close()
+    with pytest.raises(ExternalExportError, match="vocab_size"):  # load_backends: any failure raises
+        load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), external={"theirs": bad})
+
+
+def test_a_graph_over_another_vocabulary_is_refused(tiny_export_dir, optimum_dir):
+    from backends.tokenizer import TokenizerWrapper
+
+    manifest = load_manifest(tiny_export_dir)
+    graphs = [{"file": "decoder_model_merged.onnx", "logits_shape": ["batch_size", "decoder_sequence_length", 999]}]
+    with pytest.raises(ExternalExportError, match=f"decoder_model_merged.onnx outputs logits over 999 ids, "
+                                                  f"the reference's vocabulary has {manifest.vocab_size}"):
+        check(find_layout(optimum_dir), manifest, TokenizerWrapper(tiny_export_dir), graphs)
+
+
+def test_external_path_imports_no_torch(tiny_export_dir, optimum_dir):
+    code = (
+        "import sys; from backends import load_backends; "
+        f"b = load_backends({str(tiny_export_dir)!r}, names=('ort_fp32_kv_cache',), "
+        f"external={{'o': {str(optimum_dir)!r}}}); "
+        "b['o'].translate(['Hello world.'], max_new_tokens=4, num_beams=1); "
+        "b['o'].translate(['Hello world.', 'Good night.'], max_new_tokens=4, num_beams=2); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_parity_cli_checks_an_external_export(tiny_export_dir, optimum_dir, tmp_path, capsys):
+    from bench.parity import main
+
+    report_path = tmp_path / "parity.json"
+    code = main([str(tiny_export_dir), "--sentences", "6", "--max-new-tokens", "12", "--backends", "pytorch",
+                 "--threads", "2", "--num-beams", "1", "--external", f"optimum={optimum_dir}",
+                 "--json", str(report_path)])
+    assert code == 0
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    assert report["backends"]["optimum"]["identical_ids"] == 6 and report["approximate"] == []
+    assert "optimum: identical ids 6/6" in capsys.readouterr().out
+
+
+# --- without the peer environment -------------------------------------------------------------------
+
+
+def test_external_arguments_are_parsed_and_checked(tiny_export_dir, tmp_path):
+    assert parse_external(["a=/x/y", "b = z=w "]) == {"a": "/x/y", "b": "z=w"}
+    for bad, why in ((["a"], "expected NAME=DIR"), (["=d"], "expected NAME=DIR"), (["a=x", "a=y"], "given twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_external(bad)
+    with pytest.raises(ValueError, match="taken by a built-in backend"):
+        load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), external={"ort_int8": tmp_path})
+    with pytest.raises(ValueError, match="use letters, digits"):
+        load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), external={"a b": tmp_path})
+
+
+def test_layouts_that_cannot_run_are_named(tmp_path):
+    (tmp_path / "encoder_model.onnx").write_bytes(b"")
+    with pytest.raises(ExternalExportError, match="needs decoder_model_merged.onnx, or both decoder_model.onnx "
+                                                  "and decoder_with_past_model.onnx"):
+        find_layout(tmp_path)
+    (tmp_path / "encoder_model_quantized.onnx").write_bytes(b"")
+    several = r"several variants \(encoder_model.onnx, encoder_model_quantized.onnx\)"
+    with pytest.raises(ExternalExportError, match=several):
+        find_layout(tmp_path)
+    (tmp_path / "decoder_model_merged_quantized.onnx").write_bytes(b"")
+    layout = find_layout(tmp_path / "encoder_model_quantized.onnx")  # a variant named by its encoder file
+    assert layout.merged.name == "decoder_model_merged_quantized.onnx" and layout.decoder is None
+    with pytest.raises(ExternalExportError, match="no such folder or file"):
+        find_layout(tmp_path / "missing")
+
+
+def test_app_refuses_an_external_name_taken_by_a_built_in_backend(tiny_export_dir, tmp_path, capsys):
+    import app
+
+    with pytest.raises(SystemExit) as exit_info:
+        app.main(["--model", str(tiny_export_dir), "--external", "no-equals-sign"])
+    assert exit_info.value.code == 2 and "expected NAME=DIR" in capsys.readouterr().err
+    code = app.main(["--model", str(tiny_export_dir), "--backends", "ort_fp32_kv_cache",
+                     "--external", f"ort_fp16={tmp_path}"])
+    assert code == 2 and "taken by a built-in backend" in capsys.readouterr().err
