@@ -3,6 +3,7 @@
     python app.py                           # the embedded model (assets/marian-en-zh-small)
     python app.py --model PATH_OR_HUB_ID    # or MODEL_ID=...; an export folder is used as is
     python app.py --model NLLB_FOLDER --src-lang eng_Latn --tgt-lang zho_Hans --backends pytorch,ort_int8
+    python app.py --external optimum=exports/peers/optimum   # also an Optimum export of the same model
 
 The first start exports the model to exports/<name>; later starts reuse that export when the
 sidecar's checksums match. GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (default 7860) are honoured.
@@ -163,7 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", default=",".join(BACKEND_NAMES),
         help=f"comma-separated backends to load (default: all: {','.join(BACKEND_NAMES)})",
     )
+    parser.add_argument(
+        "--external", action="append", default=[], metavar="NAME=DIR",
+        help="also run an Optimum-layout ONNX export of the same model as backend NAME (repeatable; "
+             "DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)",
+    )
     args = parser.parse_args(argv)
+    from backends.ort_external import parse_external
+
+    try:
+        external = parse_external(args.external)
+    except ValueError as e:
+        parser.error(str(e))
     names = tuple(n.strip() for n in args.backends.split(",") if n.strip())
     unknown = [n for n in names if n not in BACKEND_NAMES]
     if unknown or not names:
@@ -187,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {refusal}", file=sys.stderr)
             return 2
         backends, errors = try_load_backends(
-            export_dir, names, session=SessionConfig(threads=args.threads), src_lang=args.src_lang, tgt_lang=args.tgt_lang
+            export_dir, names, session=SessionConfig(threads=args.threads), src_lang=args.src_lang,
+            tgt_lang=args.tgt_lang, external=external,
         )
         examples = read_examples(args.examples)
     except Exception as e:  # nothing can run without an export, a manifest and a tokenizer

@@ -3,7 +3,8 @@
 The export's own verification runs 16 sentences; this is the larger check a user runs before
 shipping: by default the first 100 English sentences of data/dev.tsv. `--num-beams 4` (and the
 other decoding flags) decode with beam search; `--generate` compares every backend, pytorch
-included, with transformers' `generate()` itself on the export's source model.
+included, with transformers' `generate()` itself on the export's source model. `--external NAME=DIR`
+(repeatable) adds an Optimum-layout export of the same model as backend NAME (backends/ort_external.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from backends import APPROXIMATE, BACKEND_NAMES, REFERENCE, SessionConfig, load_backends
 from backends.divergence import parity_report
+from backends.ort_external import parse_external
 from corpus import DEV_TSV, read_pairs
 
 
@@ -75,6 +77,7 @@ def run(
     against_generate: bool = False,
     src_lang: str | None = None,
     tgt_lang: str | None = None,
+    external: dict[str, str] | None = None,
     **decode,
 ) -> dict:
     """The report of `backends.divergence.parity_report` (the export's own greedy check, at a larger
@@ -84,7 +87,8 @@ def run(
     if not against_generate and REFERENCE not in names:
         names = (REFERENCE, *names)
     languages = {"src_lang": src_lang, "tgt_lang": tgt_lang}
-    backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads), **languages)
+    backends = load_backends(export_dir, names=names, session=SessionConfig(threads=threads), external=external,
+                             **languages)
     if against_generate:
         backends = {"generate": GenerateReference(export_dir, threads, **languages), **backends}
     try:
@@ -92,7 +96,11 @@ def run(
     finally:
         for backend in backends.values():
             backend.close()
-    return {"export": str(export_dir), **report}
+    # Reduced precision may differ by design: the built-in fp16/int8 backends, and external exports
+    # whose graphs are not fp32 (backends/ort_external.describe_graph).
+    approximate = [n for n, b in backends.items()
+                   if n in APPROXIMATE or (n in (external or {}) and b.info.get("precision") != "fp32")]
+    return {"export": str(export_dir), **report, "approximate": approximate}
 
 
 def main(argv=None) -> int:
@@ -111,14 +119,20 @@ def main(argv=None) -> int:
     parser.add_argument("--length-penalty", type=float, default=None)
     parser.add_argument("--early-stopping", choices=("true", "false", "never"), default=None)
     parser.add_argument("--generate", action="store_true", help="compare with transformers' generate(), not the pytorch backend")
+    parser.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
+                        help="also check an Optimum-layout export of the same model as backend NAME (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        external = parse_external(args.external)
+    except ValueError as e:
+        parser.error(str(e))
     names = tuple(n for n in args.backends.split(",") if n)
     sentences = [p.en for p in read_pairs(args.tsv, limit=args.sentences)]
     early = {"true": True, "false": False, "never": "never", None: None}[args.early_stopping]
     decode = {"num_beams": args.num_beams, "length_penalty": args.length_penalty, "early_stopping": early}
     decode = {k: v for k, v in decode.items() if v is not None}
     report = run(args.export_dir, sentences, args.max_new_tokens, args.batch_size, args.threads, names, args.generate,
-                 src_lang=args.src_lang, tgt_lang=args.tgt_lang, **decode)
+                 src_lang=args.src_lang, tgt_lang=args.tgt_lang, external=external, **decode)
     reference = "generate()" if args.generate else REFERENCE
     for name, r in report["backends"].items():
         print(
@@ -127,7 +141,7 @@ def main(argv=None) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
-    fp32 = [r for n, r in report["backends"].items() if n not in APPROXIMATE]
+    fp32 = [r for n, r in report["backends"].items() if n not in report["approximate"]]
     return 0 if all(r["identical_ids"] == report["sentences"] for r in fp32) else 1
 
 
