@@ -96,11 +96,19 @@ def run(
     finally:
         for backend in backends.values():
             backend.close()
-    # Reduced precision may differ by design: the built-in fp16/int8 backends, and external exports
-    # whose graphs are not fp32 (backends/ort_external.describe_graph).
-    approximate = [n for n, b in backends.items()
-                   if n in APPROXIMATE or (n in (external or {}) and b.info.get("precision") != "fp32")]
-    return {"export": str(export_dir), **report, "approximate": approximate}
+    result = {"export": str(export_dir), **report}
+    if external:  # what each external export is (backends/ort_external.py): its precision and provenance
+        result["external"] = {n: {"precision": backends[n].info["precision"], **backends[n].info["source"]}
+                              for n in external}
+    return result
+
+
+def approximate(report: dict) -> list[str]:
+    """Backends whose ids may differ by design (reduced precision): the built-in fp16/int8 ones, and
+    external exports whose graphs are not fp32."""
+    external = report.get("external") or {}
+    return [n for n in report["backends"]
+            if n in APPROXIMATE or (n in external and external[n]["precision"] != "fp32")]
 
 
 def main(argv=None) -> int:
@@ -141,7 +149,7 @@ def main(argv=None) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
-    fp32 = [r for n, r in report["backends"].items() if n not in report["approximate"]]
+    fp32 = [r for n, r in report["backends"].items() if n not in approximate(report)]
     return 0 if all(r["identical_ids"] == report["sentences"] for r in fp32) else 1
 
 

@@ -97,6 +97,37 @@ def test_beam_4_ids_and_n_best_identical_to_pytorch(loaded, name):
     assert single.token_ids == out[3].token_ids
 
 
+@pytest.fixture(scope="module")
+def int8_dir(split_dir, tmp_path_factory) -> Path:
+    """The split export's three graphs quantized (ORT dynamic int8, per channel), config and tokenizer kept."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out = tmp_path_factory.mktemp("int8")
+    for path in split_dir.iterdir():
+        if path.suffix == ".onnx":
+            quantize_dynamic(path.resolve(), out / path.name, weight_type=QuantType.QInt8, per_channel=True)
+        else:
+            (out / path.name).symlink_to(path.resolve())
+    return out
+
+
+def test_a_quantized_export_is_recorded_as_int8_and_measured_not_required(loaded, int8_dir):
+    from backends.divergence import parity_report
+
+    (quantized,) = load_backends(loaded["pytorch"].manifest.root, names=(), session=SessionConfig(threads=2),
+                                 external={"q": int8_dir}).values()
+    assert quantized.info["precision"] == "int8"
+    assert {f["precision"] for f in quantized.info["source"]["files"]} == {"int8"}
+    sentences = dev_sentences(8)
+    report = parity_report({"pytorch": loaded["pytorch"], "q": quantized}, sentences, "pytorch",
+                           max_new_tokens=16, num_beams=1)["backends"]["q"]
+    assert 0.5 <= report["token_agreement"] <= 1.0  # agreement is reported; int8 kernels differ per CPU
+    text = sentences[0]
+    target = loaded["pytorch"].translate([text], max_new_tokens=8, num_beams=1)[0].token_ids
+    drift = abs(quantized.score(text, target).logits - loaded["optimum"].score(text, target).logits).max()
+    assert 0 < drift < 1.0  # really other numbers than the fp32 graphs, and still close
+
+
 def test_teacher_forced_scores_match_pytorch(loaded):
     text = dev_sentences(3)[2]
     target = loaded["pytorch"].translate([text], max_new_tokens=12, num_beams=1)[0].token_ids
@@ -200,7 +231,8 @@ def test_parity_cli_checks_an_external_export(tiny_export_dir, optimum_dir, tmp_
                  "--json", str(report_path)])
     assert code == 0
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["backends"]["optimum"]["identical_ids"] == 6 and report["approximate"] == []
+    assert report["backends"]["optimum"]["identical_ids"] == 6
+    assert report["external"]["optimum"]["precision"] == "fp32" and report["external"]["optimum"]["files"]
     assert "optimum: identical ids 6/6" in capsys.readouterr().out
 
 
