@@ -137,6 +137,16 @@ def test_teacher_forced_scores_match_pytorch(loaded):
     assert abs(out.logits - ref.logits).max() < 1e-3
 
 
+def test_compare_runs_external_backends_after_the_built_in_ones_with_their_divergence(loaded):
+    from service.compare import compare_iter
+
+    ran = list(compare_iter(loaded, "Hello world. Click OK to close the window.", num_beams=2, max_new_tokens=8))
+    assert [r.name for r in ran] == ["pytorch", "optimum", "optimum_split"]
+    results = [r.to_json() for r in ran]
+    assert all(r["error"] is None and r["divergence"]["identical"] for r in results[1:])
+    assert results[1]["info"]["source"]["files"][0]["file"] == "encoder_model.onnx"
+
+
 def test_provenance_is_recorded(loaded, optimum_dir, tiny_export_dir):
     info = loaded["optimum"].info
     assert info["precision"] == "fp32" and info["threads"] == 2 and info["runtime"].startswith("ONNX Runtime")
