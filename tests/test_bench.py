@@ -424,7 +424,8 @@ def test_speed_at_beam_2_runs_every_runtime_at_beam_2(beam_run, tiny_model_dir):
     assert results["failed"] == {}
     assert results["options"]["num_beams"] == 2
     assert results["decoding"] == {"search": "beam", "num_beams": 2, "label": "beam 2", "num_beams_from": "the command line",
-                                   "length_penalty": 1.0, "early_stopping": False, "given": {}}
+                                   "length_penalty": 1.0, "early_stopping": False, "given": {},
+                                   "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
     assert list(results["runtimes"]) == ["pytorch", "ort_fp32_kv_cache", "transformers"]
     for name, r in results["runtimes"].items():
         assert r["decoding"] == {"num_beams": 2}, name
