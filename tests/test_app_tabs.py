@@ -310,3 +310,12 @@ def test_the_header_names_the_models_family_and_languages(tiny_backends, tmp_pat
     # nothing loaded: the export folder's sidecar still names the model
     assert model_heading(Loaded({}, {"pytorch": "x"}, export_dir=tiny_backends["pytorch"].manifest.root).manifest) == heading
     assert model_heading(Loaded({}, {"pytorch": "x"}).manifest) == "Model"
+
+
+def test_external_backends_get_panels_after_the_built_in_ones():
+    """--external NAME=DIR backends (and one that failed to load) are listed, so each gets a panel."""
+    from ui.state import Loaded
+
+    loaded = Loaded(backends={"optimum_mine": object(), "pytorch": object(), "ort_int8": object()},
+                    load_errors={"broken_export": "ExternalExportError: vocab_size differs"})
+    assert loaded.names == ["pytorch", "ort_int8", "optimum_mine", "broken_export"]

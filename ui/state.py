@@ -29,7 +29,10 @@ class Loaded:
 
     @property
     def names(self) -> list[str]:
-        return [n for n in BACKEND_NAMES if n in self.backends or n in self.load_errors]
+        built_in = [n for n in BACKEND_NAMES if n in self.backends or n in self.load_errors]
+        # --external NAME=DIR backends: after the built-in ones, in the order they were given
+        external = [n for n in [*self.backends, *self.load_errors] if n not in BACKEND_NAMES]
+        return built_in + list(dict.fromkeys(external))
 
     @property
     def manifest(self):
