@@ -165,6 +165,13 @@ def test_provenance_is_recorded(loaded, optimum_dir, tiny_export_dir):
                                "head_dim": model["d_model"] // heads, "dtype": "float32"}
     assert source["config"]["model_type"] == "marian" and source["config"]["vocab_size"] == model["vocab_size"]
     assert any("tokenizer" in c for c in source["checked"])
+    # ... and shown in its panel, file by file
+    from ui.compare_render import info_html
+
+    html = info_html(info)
+    assert f"from {optimum_dir}" in html
+    for name, f in files.items():
+        assert f"{name}: " in html and f["sha256"][:12] in html and f"opset {f['opset']}" in html
 
 
 def _mismatched_copy(optimum_dir: Path, out: Path) -> Path:

@@ -82,8 +82,20 @@ def info_html(info: dict[str, Any]) -> str:
     return (
         f"<div class='panel-info'>ran on: {_e(info.get('runtime', ''))} · {_e(info.get('provider', ''))} · "
         f"{_e(info.get('precision', ''))} · {_e(info.get('threads', ''))} threads · "
-        f"graph: {_e(info.get('graph', ''))}</div>"
+        f"graph: {_e(info.get('graph', ''))}{_provenance_html(info.get('source'))}</div>"
     )
+
+
+def _provenance_html(source: dict | None) -> str:
+    """An external export's origin, file by file: where a user's own export came from."""
+    if not source or not source.get("files"):
+        return ""
+    rows = "".join(
+        f"<br>{_e(f['file'])}: {f['bytes'] / 2**20:,.1f} MB, sha256 {_e((f.get('sha256') or '')[:12])}…, "
+        f"opset {_e(f.get('opset'))}, {_e(f.get('producer') or 'producer unknown')}, {_e(f.get('precision'))}"
+        for f in source["files"]
+    )
+    return f"<br>from {_e(source.get('folder', ''))} ({_e(source.get('layout', ''))}){rows}"
 
 
 def panel_html(name: str, result: dict | None, state: str, info: dict | None) -> str:
