@@ -88,7 +88,7 @@ def info_html(info: dict[str, Any]) -> str:
 
 def _provenance_html(source: dict | None) -> str:
     """An external export's origin, file by file: where a user's own export came from."""
-    if not source or not source.get("files"):
+    if not isinstance(source, dict) or not source.get("files"):
         return ""
     rows = "".join(
         f"<br>{_e(f['file'])}: {f['bytes'] / 2**20:,.1f} MB, sha256 {_e((f.get('sha256') or '')[:12])}…, "
