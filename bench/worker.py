@@ -16,21 +16,7 @@ import time
 from pathlib import Path
 
 from .peers import early_stopping_arg
-from .protocol import BackendRuntime, Output, Spec, measure, peak_rss_mb, rss_mb
-
-
-class DecodingRuntime(BackendRuntime):
-    """`BackendRuntime` with this run's search options: num_beams (1: greedy) and, when given,
-    length_penalty / early_stopping; the best hypothesis only (num_return_sequences 1)."""
-
-    def __init__(self, backend, decode: dict):
-        super().__init__(backend)
-        self.decode = {"num_return_sequences": 1, **decode}
-
-    def translate(self, texts, max_new_tokens, min_new_tokens):
-        results = self.backend.translate(texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1,
-                                         **self.decode)
-        return [Output(t.token_ids, t.text) for t in results]
+from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, rss_mb
 
 
 def size_on_disk(backend) -> tuple[int, list[str]]:
@@ -97,7 +83,7 @@ def main(argv=None) -> int:
         "size_bytes": size,
         "decoding": decode,
     }
-    result.update(measure(DecodingRuntime(backend, decode), spec, lambda m: print(f"[{args.backend}] {m}", file=sys.stderr, flush=True)))
+    result.update(measure(BackendRuntime(backend, decode), spec, lambda m: print(f"[{args.backend}] {m}", file=sys.stderr, flush=True)))
     result["peak_rss_mb"] = peak_rss_mb()
     result["torch_in_process"] = "torch" in sys.modules  # the ORT backends must run without it
     args.out.write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")
