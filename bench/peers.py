@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from .protocol import Output, Spec, measure, peak_rss_mb, rss_mb
+from .protocol import Output, Spec, measure, peak_rss_mb, reset_peak_rss, rss_mb
 
 PEER_NAMES = ("transformers", "optimum_fp32", "optimum_int8", "ct2_float32", "ct2_int8")
 IN_PROJECT_ENV = ("transformers",)  # these run in the project's environment, the rest in .venv-bench
@@ -320,6 +320,7 @@ def worker(argv=None) -> int:
     parser.add_argument("--no-repeat-ngram-size", type=int,
                         help="CTranslate2 only (it reads no generation config): the model's no_repeat_ngram_size")
     args = parser.parse_args(argv)
+    reset_peak_rss()  # the peak reported is this runtime's own, whatever started this process
     if args.num_beams < 1:
         parser.error(f"--num-beams must be at least 1, got {args.num_beams}")
     decode = {"num_beams": args.num_beams}

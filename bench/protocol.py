@@ -35,5 +35,6 @@ def _load():
 _protocol = _load()
 BackendRuntime, Output, Spec = _protocol.BackendRuntime, _protocol.Output, _protocol.Spec
 measure, percentiles, peak_rss_mb, rss_mb = _protocol.measure, _protocol.percentiles, _protocol.peak_rss_mb, _protocol.rss_mb
+reset_peak_rss = _protocol.reset_peak_rss
 
-__all__ = ["BackendRuntime", "Output", "Spec", "measure", "peak_rss_mb", "percentiles", "rss_mb"]
+__all__ = ["BackendRuntime", "Output", "Spec", "measure", "peak_rss_mb", "percentiles", "reset_peak_rss", "rss_mb"]

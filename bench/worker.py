@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .peers import early_stopping_arg
-from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, rss_mb
+from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, reset_peak_rss, rss_mb
 
 
 def size_on_disk(backend) -> tuple[int, list[str]]:
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--length-penalty", type=float, help="beam search; default: the export's generation config")
     parser.add_argument("--early-stopping", type=early_stopping_arg, help="beam search: true, false or never")
     args = parser.parse_args(argv)
+    reset_peak_rss()  # the peak reported is this runtime's own, whatever started this process
     decode = {"num_beams": args.num_beams}
     decode.update({k: v for k, v in (("length_penalty", args.length_penalty), ("early_stopping", args.early_stopping))
                    if v is not None})

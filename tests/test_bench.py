@@ -511,3 +511,24 @@ def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, tmp_pa
     assert ct2["call"] == {"beam_size": 2, "length_penalty": 1.0}
     assert optimum["comparison"]["identical_to_reference"] == 1.0  # generate() at beam 2, as our backends
     assert 0.0 <= ct2["comparison"]["identical_to_reference"] <= 1.0  # its own scoring: agreement, not identity
+
+
+def test_a_workers_peak_rss_is_its_own_not_its_launchers():
+    """Linux keeps getrusage's ru_maxrss across fork and exec, so a worker launched by a process
+    that once held 800 MB reported 800 MB whatever it ran (every runtime "3396 MB" after an export in
+    the benchmark's own process). The worker's figure must be its own address space's peak."""
+    child = ("import json, resource; import bench.protocol as p; p.reset_peak_rss(); "
+             "print(json.dumps({'peak': p.peak_rss_mb(), 'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6}))")
+    parent = (
+        "import subprocess, sys\n"
+        "big = bytearray(800 * 10**6)\n"
+        "for i in range(0, len(big), 4096): big[i] = 1  # resident, not just reserved\n"
+        "del big\n"
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    figures = json.loads(out.stdout.strip())
+    assert 5 < figures["peak"] < 200, figures  # a bare interpreter and numpy: tens of MB
+    # What the old measurement read in the same child: the launcher's 800 MB (shows the test can fail).
+    assert figures["ru_maxrss"] > 800, figures
