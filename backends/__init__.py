@@ -57,7 +57,7 @@ def _build(
     return Backend(name, model, tokenizer, manifest, model.info)
 
 
-def _check_external(external) -> dict[str, str]:
+def check_external(external) -> dict[str, str]:
     """{NAME: DIR} of external exports (backends/ort_external.py): names must be new and plain."""
     external = dict(external or {})
     clash = [n for n in external if n in BACKEND_NAMES or n == "generate"]
@@ -147,7 +147,7 @@ def load_backends(
     Optimum-layout exports of the same model, loaded after the built-in ones as backends NAME
     (backends/ort_external.py); one that is not an export of this model raises, naming what differs.
     """
-    external = _check_external(external)
+    external = check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
     loaded = {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
@@ -169,7 +169,7 @@ def try_load_backends(
     A broken manifest or tokenizer, or an unknown language code, still raises: no backend can run
     without them. An `external` export (see `load_backends`) that fails to load or to match fails alone.
     """
-    external = _check_external(external)
+    external = check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
     tables = SharedTables()
     loaded, failed = {}, {}
@@ -207,6 +207,7 @@ __all__ = [
     "StepScore",
     "Translation",
     "UnsupportedGeneration",
+    "check_external",
     "load_backends",
     "load_manifest",
     "memory_needs",

@@ -201,6 +201,32 @@ def _shape(value_info) -> list[int | str]:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
 
 
+def _locations(tensors) -> list[str]:
+    """The external data files the tensors' weights are in, relative to the graph's folder."""
+    import onnx
+
+    return sorted({
+        entry.value
+        for t in tensors
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for entry in t.external_data
+        if entry.key == "location"
+    })
+
+
+def files_read(layout: Layout, manifest: Manifest) -> list[Path]:
+    """Every file `load` reads from the folder: config.json, the tokenizer files the reference's
+    sidecar lists (compared with its own), each graph and its external data. What a copy of the
+    export elsewhere (bench/engine/model_files.py) must hold."""
+    import onnx
+
+    files = [layout.meta / "config.json", *(layout.meta / f for f in manifest.tokenizer_files)]
+    for graph in layout.graphs:
+        tensors = _graph_tensors(onnx.load(str(graph), load_external_data=False).graph)
+        files += [graph, *(graph.parent / f for f in _locations(tensors))]
+    return list(dict.fromkeys(files))
+
+
 def describe_graph(path: Path) -> dict[str, Any]:
     """A graph file's provenance and the facts `check` needs: {file, bytes, sha256, opset, producer,
     ir_version, external_data: [{file, bytes, sha256}], precision, logits_shape}. Reads the graph
@@ -209,13 +235,7 @@ def describe_graph(path: Path) -> dict[str, Any]:
 
     model = onnx.load(str(path), load_external_data=False)
     tensors = _graph_tensors(model.graph)
-    locations = sorted({
-        entry.value
-        for t in tensors
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for entry in t.external_data
-        if entry.key == "location"
-    })
+    locations = _locations(tensors)
     elements = {onnx.TensorProto.FLOAT: 0, onnx.TensorProto.FLOAT16: 0}
     for t in tensors:
         if t.data_type in elements:

@@ -1,14 +1,17 @@
 """python -m bench {speed,quality}: the benchmarks, one command each, results as files.
 
   python -m bench speed   [--model DIR] [--sentences FILE|N] [--forced-tokens N] [--threads 2] [--num-beams N|model]
-                          [--peers] [--quick] [--out DIR]
-  python -m bench quality [--model DIR] [--input FILE|DIR] [--sentences N] [--engine local|ray [--address A] [--actors N]] [--out DIR]
+                          [--peers] [--external NAME=DIR ...] [--quick] [--out DIR]
+  python -m bench quality [--model DIR] [--input FILE|DIR] [--sentences N] [--engine local|ray [--address A] [--actors N]]
+                          [--external NAME=DIR ...] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
 
 Each writes results.json and report.md (speed: also PNG plots) into --out, by default
 bench-results/<command>-<model>-<UTC time>/. See bench/README.md for what is measured and left out.
+`--external NAME=DIR` (speed, quality; repeatable): an Optimum-layout export of the same model as one
+more backend NAME, beside the built-in ones (backends/ort_external.py).
 """
 
 from __future__ import annotations
@@ -51,10 +54,18 @@ def _default_out(command: str, export_dir: Path) -> Path:
     return RESULTS / f"{command}-{export_dir.name}-{stamp}"
 
 
+def _external(args) -> dict[str, str]:
+    from backends.ort_external import parse_external
+
+    return parse_external(args.external)  # ValueError naming the malformed value: before any work
+
+
 def speed(args) -> int:
     from service.speedrun import SpeedOptions
 
     from . import speed as speed_mod
+
+    external = _external(args)
 
     def check(beams: int) -> None:  # before any work: the export, when --model needs one, takes minutes
         if beams > 1 and args.sweep:
@@ -94,7 +105,8 @@ def speed(args) -> int:
     results = speed_mod.run(export_dir, pairs, options, out, backend_names=args.backends, peer_names=peers,
                             peer_python=args.peer_python, log=lambda m: print(m, flush=True),
                             num_beams=args.num_beams,
-                            length_penalty=args.length_penalty, early_stopping=args.early_stopping)
+                            length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                            external=external)
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {out / p}" for p in results.get("plots", [])))
     return 1 if results["failed"] else 0
 
@@ -117,6 +129,7 @@ def quality(args) -> int:
     from .engine import EngineOptions, EngineUnavailable
     from .report import write_quality
 
+    external = _external(args)
     options = EngineOptions(engine=args.engine, threads=args.threads, batch_size=args.batch_size,
                             shard_size=args.shard_size, actors=args.actors, address=args.address,
                             model_transfer=args.model_transfer, node_cache=args.node_cache)
@@ -125,7 +138,8 @@ def quality(args) -> int:
     try:
         results = quality_mod.run(export_dir, args.input, out, names=args.backends, options=options,
                                   limit=args.sentences, max_new_tokens=args.max_new_tokens,
-                                  decode=dict(args.decode or []), log=lambda m: print(m, flush=True))
+                                  decode=dict(args.decode or []), log=lambda m: print(m, flush=True),
+                                  external=external)
     except EngineUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -221,6 +235,8 @@ def main(argv=None) -> int:
     sp.add_argument("--no-floor", action="store_true", help="skip the memory-bandwidth floor (1 GB, a few seconds)")
     sp.add_argument("--rounds", type=int, default=1, help="run every runtime N times, round-robin, and report the "
                     "medians: ratios that survive this machine's drift")
+    sp.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
+                    help="also time an Optimum-layout ONNX export of the same model as backend NAME, in its own process like ours (repeatable; DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)")
     sp.add_argument("--out", type=Path)
     sp.set_defaults(func=speed)
 
@@ -246,6 +262,8 @@ def main(argv=None) -> int:
                     help="ray: 'shared' when the export path is the same on every node, 'ship' to send it through "
                     "the object store (once per node, checksums checked there); auto: ship when there are other nodes")
     qp.add_argument("--node-cache", help="ray: where shipped exports go on each node (default: its temp folder)")
+    qp.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
+                    help="also run an Optimum-layout ONNX export of the same model as backend NAME (repeatable; DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)")
     qp.add_argument("--out", type=Path, help="results folder; a rerun with the same --out resumes")
     qp.set_defaults(func=quality)
 

@@ -24,11 +24,18 @@ from .engine import EngineOptions, run_corpus
 
 def run(export_dir: Path, input_path, out: Path, names: list[str] | None = None,
         options: EngineOptions = EngineOptions(), limit: int | None = None, max_new_tokens: int = 256,
-        decode: dict | None = None, log=print, on_shard=None) -> dict:
+        decode: dict | None = None, log=print, on_shard=None, external: dict | None = None) -> dict:
     """Every backend over the corpus; the quality results (results.json's layout).
 
-    `decode`: further `Backend.translate` keyword arguments (num_beams, ...), passed through."""
-    from backends import load_manifest
+    `decode`: further `Backend.translate` keyword arguments (num_beams, ...), passed through.
+    `external`: {NAME: DIR} of Optimum-layout exports of the same model (backends/ort_external.py),
+    run as backends NAME after the built-in ones."""
+    from backends import check_external, load_manifest
+    from backends.ort_external import find_layout
+
+    external = {n: os.path.abspath(p) for n, p in check_external(external).items()}
+    for path in external.values():
+        find_layout(path)  # a folder that holds no export fails before the corpus is read
 
     manifest = load_manifest(export_dir)
     skipped = {}
@@ -42,7 +49,7 @@ def run(export_dir: Path, input_path, out: Path, names: list[str] | None = None,
     translate = {"max_new_tokens": max_new_tokens, "top_k": 1, **(decode or {})}
     env = environment(options.threads_per_worker)
     run = run_corpus(export_dir, input_path, out, names, REFERENCE, options, translate, limit=limit, log=log,
-                     on_shard=on_shard)
+                     on_shard=on_shard, external=external)
     env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     agg = run["aggregate"]
     return {
@@ -59,6 +66,7 @@ def run(export_dir: Path, input_path, out: Path, names: list[str] | None = None,
         "per_sentence": "shards/*.parquet",
         "backends": agg["backends"],
         "not_run": skipped,
+        **({"external": external} if external else {}),
         "outputs": agg["outputs"],
         "workers": agg["workers"],
     }

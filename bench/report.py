@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.fmt import num, ratio, signed
-from service.reports import env_lines, save
+from service.reports import env_lines, provenance, save
 
 
 def _clip(text: str, limit: int = 160) -> str:
@@ -38,6 +38,10 @@ def render_quality(results: dict) -> str:
         out.append("| " + " | ".join(row) + " |")
     for name, why in results.get("not_run", {}).items():
         out.append(f"- `{name}`: {why}")
+    for name, b in results["backends"].items():
+        if origin := provenance(b.get("info") or {}):  # the folder it ran from: a node's copy with --model-transfer ship
+            given = (results.get("external") or {}).get(name)
+            out.append(f"- `{name}`" + (f" (`--external {name}={given}`)" if given else "") + f": {origin}")
     out += ["", "Divergence steps count from 0 (the first generated token). BLEU uses sacrebleu tokenize=\"zh\". "
             "Backend s: the backend's translate time summed over every worker.", ""]
     for name, b in results["backends"].items():
@@ -122,4 +126,6 @@ def readme_table(results: dict) -> str:
               + (", " + ", ".join(f"{k} {v}" for k, v in e["peer_environment"]["versions"].items()
                                   if k in ("optimum-onnx", "ctranslate2")) if e.get("peer_environment") else "")
               + ". \"vs PyTorch\": latency ratio (lower is faster) and throughput ratio (higher is faster)."]
+    external = [f"- `{name}`: {origin}." for name, r in rt.items() if (origin := provenance(r["info"]))]
+    lines += ["", *external] if external else []
     return "\n".join(lines)

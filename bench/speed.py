@@ -139,14 +139,26 @@ def run(
     num_beams: int | str = 1,
     length_penalty: float | None = None,
     early_stopping: bool | str | None = None,
+    external: dict[str, str | Path] | None = None,
 ) -> dict:
     """Run every backend (and peer) in its own subprocess; write results.json, report.md, plots.
 
     num_beams: every runtime runs greedy search (1, the default) or beam search with that many beams;
     "model": the export's generation config. See `resolve_decoding`. The output-length sweep is a
     greedy measurement: with beam search it is not run, and results.json says so (`sweep_skipped`).
+    external: {NAME: DIR} of Optimum-layout exports of the same model (backends/ort_external.py),
+    each timed as backend NAME in its own worker after the built-in backends, with the same work.
     """
-    from backends import BACKEND_NAMES, load_manifest
+    from backends import BACKEND_NAMES, check_external, load_manifest
+    from backends.ort_external import find_layout
+
+    external = {n: os.path.abspath(p) for n, p in check_external(external).items()}  # the worker runs elsewhere
+    taken = [n for n in external if n in peers_mod.PEER_NAMES]
+    if taken:
+        raise ValueError(f"external backend name(s) {', '.join(taken)} taken by a peer runtime; choose others than: "
+                         f"{', '.join(peers_mod.PEER_NAMES)}")
+    for path in external.values():
+        find_layout(path)  # a folder that holds no export fails now, not after the other runtimes
 
     manifest = load_manifest(export_dir)
     decoding = resolve_decoding(manifest, num_beams, length_penalty, early_stopping)
@@ -181,6 +193,10 @@ def run(
     for name in backend_names:
         cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir),
                *decode_args(decoding)]
+        jobs.append((name, cmd, True, {"command": cmd}))
+    for name, path in external.items():
+        cmd = [sys.executable, "-m", "bench.worker", "--backend", name, "--export", str(export_dir),
+               "--external-dir", path, *decode_args(decoding)]
         jobs.append((name, cmd, True, {"command": cmd}))
     failed = {}
     if peer_names:
@@ -256,6 +272,8 @@ def run(
     }
     if sweep_skipped:
         results["sweep_skipped"] = sweep_skipped
+    if external:
+        results["external"] = external
     add_comparisons(results, [p.zh for p in pairs])
     write(results, out_dir)
     return results

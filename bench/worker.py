@@ -4,6 +4,8 @@ Driven by `python -m bench speed`: one subprocess per backend, so each one's loa
 resident memory are its own (no other backend's sessions or torch in the same process). Decoding:
 `--num-beams N` (default 1, greedy), and for beam search `--length-penalty` / `--early-stopping`
 when given (otherwise the export's generation config decides), passed on to `Backend.translate`.
+`--external-dir DIR`: the backend is an Optimum-layout export of the same model (backends/ort_external.py)
+named `--backend`, checked against `--export` and run through the same decoding loop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, reset_peak_rss
 def size_on_disk(backend) -> tuple[int, list[str]]:
     """Bytes of the weights this backend reads: its graph files (+ external data), or PyTorch's weights."""
     manifest = backend.manifest
+    source = backend.info.get("source")
+    if source is not None:  # an external export: the graphs it runs, as its provenance lists them
+        sizes = {}
+        for graph in source["files"]:
+            sizes[graph["file"]] = graph["bytes"]
+            sizes.update((d["file"], d["bytes"]) for d in graph["external_data"])
+        return sum(sizes.values()), list(sizes)
     if backend.name == "pytorch":
         from backends.pytorch import source_model_of
 
@@ -54,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-beams", type=int, default=1, help="1: greedy search (the default)")
     parser.add_argument("--length-penalty", type=float, help="beam search; default: the export's generation config")
     parser.add_argument("--early-stopping", type=early_stopping_arg, help="beam search: true, false or never")
+    parser.add_argument("--external-dir", type=Path, help="--backend names an Optimum-layout export of the same "
+                        "model in this folder (backends/ort_external.py)")
     args = parser.parse_args(argv)
     reset_peak_rss()  # the peak reported is this runtime's own, whatever started this process
     decode = {"num_beams": args.num_beams}
@@ -70,7 +81,9 @@ def main(argv=None) -> int:
 
     rss_before = rss_mb()
     start = time.perf_counter()
-    backend = load_backends(args.export, names=(args.backend,), session=SessionConfig(threads=spec.threads))[args.backend]
+    external = {args.backend: args.external_dir} if args.external_dir else None
+    backend = load_backends(args.export, names=() if external else (args.backend,), external=external,
+                            session=SessionConfig(threads=spec.threads))[args.backend]
     load_s = time.perf_counter() - start
     size, files = size_on_disk(backend)
     result = {

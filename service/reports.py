@@ -24,6 +24,18 @@ def _decoding_line(results: dict) -> str:
     return line
 
 
+def provenance(info: dict) -> str | None:
+    """Where an external export (`--external NAME=DIR`, backends/ort_external.py) came from, in one
+    line for a report; None for the built-in backends, whose files are the export's own."""
+    source = info.get("source")
+    if not isinstance(source, dict) or not source.get("files"):
+        return None
+    graphs = "; ".join(f"{f['file']} sha256 {(f.get('sha256') or '')[:12]}…, opset {f.get('opset')}, "
+                       f"{f.get('producer') or 'producer unknown'}, {f.get('precision')}" for f in source["files"])
+    return (f"external export, {info.get('precision', '?')}, checked to be this model's and run through this "
+            f"project's decoding loop: {source.get('layout')} from `{source.get('folder')}` ({graphs})")
+
+
 def env_lines(results: dict) -> list[str]:
     e = results["environment"]
     versions = ", ".join(f"{k} {v}" for k, v in e["versions"].items())
@@ -109,7 +121,10 @@ def render_speed(results: dict) -> str:
     out += ["", "What the runtimes are:", ""]
     for name, r in runtimes.items():
         i = r["info"]
-        out.append(f"- `{name}`: {i.get('runtime')}, {i.get('provider', 'CPU')}, files {', '.join(i.get('files', []))}")
+        line = f"- `{name}`: {i.get('runtime')}, {i.get('provider', 'CPU')}, files {', '.join(i.get('files', []))}"
+        if origin := provenance(i):
+            line += f"; {origin}; its load time includes that check and hashing its graphs"
+        out.append(line)
     if results.get("claims"):
         out += ["", "## The article's claims, measured in this run", "",
                 "| claim | measured | held? |", "|---|---|---|"]

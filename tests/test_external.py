@@ -253,6 +253,144 @@ def test_parity_cli_checks_an_external_export(tiny_export_dir, optimum_dir, tmp_
     assert "optimum: identical ids 6/6" in capsys.readouterr().out
 
 
+def test_bench_speed_times_an_external_export_beside_the_built_in_ones_at_the_same_beams(
+    tiny_export_dir, optimum_dir, tmp_path, capsys
+):
+    """Its own worker process, the run's decoding, its files' size, its precision and provenance in
+    results.json, report.md and the README table."""
+    from bench.__main__ import main
+
+    out = tmp_path / "speed"
+    assert main(["speed", "--model", str(tiny_export_dir), "--backends", "pytorch,ort_fp32_kv_cache", "--external",
+                 f"optimum={optimum_dir}", "--sentences", "3", "--batch-sizes", "3", "--warmup", "1",
+                 "--max-new-tokens", "8", "--num-beams", "2", "--no-floor", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert list(results["runtimes"]) == ["pytorch", "ort_fp32_kv_cache", "optimum"] and results["failed"] == {}
+    assert results["external"] == {"optimum": str(optimum_dir)}
+    r = results["runtimes"]["optimum"]
+    cmd = r["command"]
+    assert cmd[cmd.index("--external-dir") + 1] == str(optimum_dir) and cmd[cmd.index("--num-beams") + 1] == "2"
+    assert r["decoding"] == {"num_beams": 2} and r["torch_in_process"] is False
+    assert r["latency"]["n"] == 3 and r["throughput"]["3"]["sentences"] == 3 and r["load_s"] > 0
+    graphs = ["encoder_model.onnx", "decoder_model_merged.onnx"]
+    assert r["info"]["files"] == graphs
+    assert r["size_bytes"] == sum((optimum_dir / f).stat().st_size for f in graphs)
+    assert r["info"]["precision"] == "fp32" and r["info"]["source"]["folder"] == str(optimum_dir)
+    assert r["comparison"]["identical_to_reference"] == 1.0  # beam 2 through our loop, as pytorch decodes
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "| `optimum` | fp32 |" in md
+    sha = r["info"]["source"]["files"][0]["sha256"][:12]
+    assert "- `optimum`: ONNX Runtime" in md and "external export, fp32" in md and sha in md
+    capsys.readouterr()
+    assert main(["table", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| `optimum` (fp32) |" in table and "- `optimum`: external export, fp32" in table and str(optimum_dir) in table
+
+
+def test_bench_quality_runs_an_external_export_beside_the_built_in_ones(tiny_export_dir, optimum_dir, split_dir,
+                                                                         tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from bench.__main__ import main
+
+    out = tmp_path / "quality"
+    args = ["quality", "--model", str(tiny_export_dir), "--backends", "pytorch", "--sentences", "6",
+            "--shard-size", "3", "--max-new-tokens", "12", "--out", str(out)]
+    assert main([*args, "--external", f"optimum={optimum_dir}", "--external", f"split={split_dir}"]) == 0
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert list(results["backends"]) == ["pytorch", "optimum", "split"]
+    for name in ("optimum", "split"):
+        b = results["backends"][name]
+        assert (b["agreement"]["identical"], b["agreement"]["n"], b["identical_text"]) == (6, 6, 6), name
+        assert b["vs_reference_backend"]["bleu"] == 100.0 and b["info"]["precision"] == "fp32"
+        assert b["info"]["source"]["folder"] == str(find_layout(results["external"][name]).folder)
+        assert results["outputs"][name] == results["outputs"]["pytorch"]
+    printed = capsys.readouterr().out
+    assert "optimum: identical tokens 6/6" in printed and "split: identical tokens 6/6" in printed
+    rows = [r for p in sorted((out / "shards").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+    assert len(rows) == 6 and all(r["split_ids"] == r["pytorch_ids"] for r in rows)
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "| `split` | 6/6 (100.0%) | 6/6 |" in md
+    assert f"- `optimum` (`--external optimum={optimum_dir}`): external export, fp32" in md
+    # run.json pins the external exports by their files' sha256: another set of them is another run
+    pinned = json.loads((out / "run.json").read_text(encoding="utf-8"))["external"]["optimum"]["files"]
+    assert pinned["decoder_model_merged.onnx"] == hashlib.sha256(
+        (optimum_dir / "decoder_model_merged.onnx").read_bytes()).hexdigest()
+    assert main([*args, "--external", f"optimum={optimum_dir}"]) == 2
+    assert "holds shards of another run (external differ)" in capsys.readouterr().err
+
+
+def test_the_ray_engine_ships_an_external_export_to_the_node(tiny_export_dir, optimum_dir, tmp_path):
+    """--model-transfer ship: its files go through the object store under external/NAME/, are checked on
+    the node and loaded from there; the per-sentence results equal the local engine's."""
+    pytest.importorskip("ray")
+    from bench.__main__ import main
+
+    tables = {}
+    for engine in ("local", "ray"):
+        out = tmp_path / engine
+        extra = ["--engine", "ray", "--actors", "1", "--threads", "1", "--model-transfer", "ship",
+                 "--node-cache", str(tmp_path / "node")] if engine == "ray" else []
+        assert main(["quality", "--model", str(tiny_export_dir), "--backends", "pytorch", "--external",
+                     f"optimum={optimum_dir}", "--sentences", "4", "--shard-size", "4", "--max-new-tokens", "8",
+                     "--out", str(out), *extra]) == 0
+        tables[engine] = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    ray_run = tables["ray"]
+    assert ray_run["engine"]["model_transfer"] == "ship"
+    assert ray_run["outputs"] == tables["local"]["outputs"] and ray_run["backends"]["optimum"]["agreement"]["identical"] == 4
+    folder = ray_run["backends"]["optimum"]["info"]["source"]["folder"]
+    assert folder.startswith(str(tmp_path / "node")) and folder.endswith("external/optimum")
+
+
+def test_shipped_external_files_are_checked_on_the_node(tiny_export_dir, split_dir, tmp_path):
+    from backends import ManifestError
+    from bench.engine.model_files import digests, materialize, shipment_files, shipped_external
+
+    external = {"split": str(split_dir / "encoder_model.onnx")}  # a variant named by its encoder file
+    files = shipment_files(tiny_export_dir, ["ort_fp32_kv_cache"], external)
+    shipped = {n for n in files if n.startswith("external/")}
+    assert shipped == {f"external/split/{f}" for f in ("encoder_model.onnx", "decoder_model.onnx",
+                                                        "decoder_with_past_model.onnx", "config.json",
+                                                        *load_manifest(tiny_export_dir).tokenizer_files)}
+    assert shipped_external(external) == {"split": "external/split/encoder_model.onnx"}
+    digest = digests(files)
+    export, _ = materialize(tmp_path / "node", digest, lambda name: files[name].read_bytes())
+    where = {"split": str(export.parent / "external/split/encoder_model.onnx")}
+    backends = load_backends(export, names=("ort_fp32_kv_cache",), external=where)
+    text = dev_sentences(2)
+    assert [t.token_ids for t in backends["split"].translate(text, max_new_tokens=8)] == \
+        [t.token_ids for t in backends["ort_fp32_kv_cache"].translate(text, max_new_tokens=8)]
+
+    def corrupt(name):
+        data = bytearray(files[name].read_bytes())
+        if name == "external/split/decoder_with_past_model.onnx":
+            data[len(data) // 2] ^= 0xFF
+        return bytes(data)
+
+    with pytest.raises(ManifestError, match="decoder_with_past_model.onnx: sha256 differs from the external export"):
+        materialize(tmp_path / "other-node", digest, corrupt)
+
+
+def test_spot_check_runs_external_backends_beside_the_built_in_ones(loaded, tmp_path):
+    """app.py --external: the Batch spot-check tab runs them too, with their agreement with pytorch."""
+    from ui import spotcheck_tab
+    from ui.state import Loaded
+
+    app_loaded = Loaded(loaded, {"broken": "ExternalExportError: vocab_size differs"}, max_new_tokens=8)
+    lines = ["en\tzh", *(f"{s}\t参考" for s in dev_sentences(4))]
+    view = spotcheck_tab.run(app_loaded, "\n".join(lines), None)
+    assert view.result is not None, view.status
+    rows = {row[0]: dict(zip(spotcheck_tab.headers("pytorch"), row)) for row in view.summary}
+    assert list(rows) == ["pytorch", "optimum", "optimum_split"]
+    for name in ("optimum", "optimum_split"):
+        assert rows[name]["identical tokens"] == "4/4 (100%)" and rows[name]["first divergence: step (sentences)"] == "none"
+        b = view.result["backends"][name]
+        assert b["agreement"]["identical"] == 4 and b["translations"] == view.result["backends"]["pytorch"]["translations"]
+    assert "`optimum`: external export, fp32" in view.status and "`broken` not run: failed to load" in view.status
+    saved = json.loads(view.json_path.read_text(encoding="utf-8"))
+    assert saved["backends"]["optimum"]["info"]["source"]["files"][0]["file"] == "encoder_model.onnx"
+
+
 # --- without the peer environment -------------------------------------------------------------------
 
 
@@ -265,6 +403,22 @@ def test_external_arguments_are_parsed_and_checked(tiny_export_dir, tmp_path):
         load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), external={"ort_int8": tmp_path})
     with pytest.raises(ValueError, match="use letters, digits"):
         load_backends(tiny_export_dir, names=("ort_fp32_kv_cache",), external={"a b": tmp_path})
+
+
+@pytest.mark.parametrize("command", ["speed", "quality"])
+def test_bench_external_values_are_checked_before_any_work(command, tiny_export_dir, tmp_path, capsys):
+    from bench.__main__ import main
+
+    base = [command, "--model", str(tiny_export_dir), "--sentences", "2", "--out", str(tmp_path / "out")]
+    for value, message in (("no-equals-sign", "--external: expected NAME=DIR"),
+                           ("ort_int8=x", "taken by a built-in backend"),
+                           (f"mine={tmp_path / 'missing'}", "no such folder or file")):
+        assert main([*base, "--external", value]) == 2
+        assert message in capsys.readouterr().err, value
+    if command == "speed":  # a peer's name would mix its numbers with the peer's in results.json
+        assert main([*base, "--external", f"optimum_fp32={tmp_path}"]) == 2
+        assert "taken by a peer runtime" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_layouts_that_cannot_run_are_named(tmp_path):

@@ -20,6 +20,7 @@ import gradio as gr
 
 from service import inputs
 from service.fmt import ms, num, signed
+from service.reports import provenance
 from service.spotcheck import SPOT_CHECK_LIMIT, spot_check
 
 from .machine import load_warning
@@ -107,6 +108,9 @@ def summary_md(result: dict, shown_from: str) -> str:
     ]
     if warning := load_warning(e):
         lines.append(f"**{warning}**")
+    for name, b in result["backends"].items():
+        if origin := provenance(b.get("info") or {}):
+            lines.append(f"`{name}`: {origin}")
     for name, why in result.get("not_run", {}).items():
         lines.append(f"`{name}` not run: {why}")
     return "  \n".join(lines)

@@ -12,7 +12,8 @@ then adds the shards up (`shards.aggregate`). Both engines run the one per-shard
   them; a failed actor is restarted and its shard retried by Ray.
 
 A rerun with the same `--out` skips the shards already there (`run.json` pins what they were made
-from: input files, export, backends, decoding, shard size; a different run refuses that folder).
+from: input files, export, backends, decoding, shard size, the `--external` exports' files; a
+different run refuses that folder).
 A shard is written whole or not at all, and a shard that arrives twice is written once, so after
 any interruption or retry each sentence is present exactly once; `aggregate` checks it.
 """
@@ -84,6 +85,11 @@ class Job:
     counts: tuple[int, ...]
     shard_size: int
     skip: frozenset[str] = field(default_factory=frozenset)
+    external: tuple[tuple[str, str], ...] = ()  # (NAME, DIR): Optimum-layout exports run after `names`
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return (*self.names, *(n for n, _ in self.external))
 
     def shards(self, only_file: int | None = None):
         return iter_shards([Path(f) for f in self.files], list(self.counts), self.shard_size, self.skip, only_file)
@@ -96,7 +102,8 @@ class Job:
 def _run_local(job: Job, accept) -> dict:
     from backends import SessionConfig, load_backends
 
-    backends = load_backends(job.export_dir, names=job.names, session=SessionConfig(threads=job.threads))
+    backends = load_backends(job.export_dir, names=job.names, session=SessionConfig(threads=job.threads),
+                             external=dict(job.external))
     worker = {"engine": "local", "host": socket.gethostname(), "pid": os.getpid(),
               "model_files": {"mode": "local", "path": job.export_dir}}
     try:
@@ -108,7 +115,24 @@ def _run_local(job: Job, accept) -> dict:
     return {"name": "local", "nodes": 1, "actors": 1, "threads_per_actor": job.threads}
 
 
-def _spec(files, counts, export_dir: Path, names, reference, options: EngineOptions, decode, limit) -> dict:
+def _external_spec(export_dir: Path, external: dict[str, str]) -> dict:
+    """What each external export is, for run.json: its folder and the sha256 of every file it is read
+    from, so a resume after the folder changed is refused like one after the export changed."""
+    from backends import load_manifest
+    from backends.manifest import sha256_file
+    from backends.ort_external import files_read, find_layout
+
+    manifest = load_manifest(export_dir)
+    spec = {}
+    for name, path in external.items():
+        layout = find_layout(path)
+        spec[name] = {"path": path, "files": {str(f.relative_to(layout.meta)): sha256_file(f)
+                                              for f in files_read(layout, manifest) if f.is_file()}}
+    return spec
+
+
+def _spec(files, counts, export_dir: Path, names, reference, options: EngineOptions, decode, limit,
+          external: dict[str, str]) -> dict:
     from backends.manifest import MANIFEST_NAME, sha256_file
 
     return {
@@ -117,6 +141,7 @@ def _spec(files, counts, export_dir: Path, names, reference, options: EngineOpti
         "limit": limit, "export": str(export_dir), "manifest_sha256": sha256_file(export_dir / MANIFEST_NAME),
         "backends": list(names), "reference": reference, "batch_size": options.batch_size,
         "shard_size": options.shard_size, "decode": decode,
+        **({"external": _external_spec(export_dir, external)} if external else {}),
     }
 
 
@@ -136,22 +161,25 @@ def _claim(out: Path, spec: dict) -> None:
 
 
 def run_corpus(export_dir: Path, input_path, out: Path, names: list[str], reference: str, options: EngineOptions,
-               decode: dict[str, Any], limit: int | None = None, log=print, on_shard=None) -> dict:
+               decode: dict[str, Any], limit: int | None = None, log=print, on_shard=None,
+               external: dict[str, str] | None = None) -> dict:
     """Translate and compare the corpus at `input_path` into `out`; returns the aggregate, the engine's
-    figures and the input. `on_shard(summary)` is called after each shard is written."""
+    figures and the input. `on_shard(summary)` is called after each shard is written. `external`:
+    {NAME: DIR} of Optimum-layout exports of the same model, run as backends NAME after `names`."""
     export_dir, out = Path(export_dir).resolve(), Path(out)
     try:
         files = input_files(input_path)
     except FileNotFoundError as e:
         raise CorpusError(str(e)) from None
     counts = count_rows(files, limit)  # every row checked before anything is translated
-    _claim(out, _spec(files, counts, export_dir, names, reference, options, decode, limit))
+    external = dict(external or {})
+    _claim(out, _spec(files, counts, export_dir, names, reference, options, decode, limit, external))
     store = ShardStore(out)
     expected = {s: n for s, _f, _start, n in expected_shards(counts, options.shard_size)}
     done = store.done() & expected.keys()
     total, resumed = sum(counts), sum(expected[s] for s in done)
     job = Job(str(export_dir), tuple(names), reference, options.threads_per_worker, options.batch_size, dict(decode),
-              tuple(str(f) for f in files), tuple(counts), options.shard_size, frozenset(done))
+              tuple(str(f) for f in files), tuple(counts), options.shard_size, frozenset(done), tuple(external.items()))
     log(f"{total:,} sentences in {len(expected)} shards of {options.shard_size} from {len(files)} file(s); "
         f"{len(done)} shards already in {store.dir}; engine {options.engine}")
     from tqdm import tqdm
@@ -194,6 +222,6 @@ def run_corpus(export_dir: Path, input_path, out: Path, names: list[str], refere
                    "duplicate_shards_dropped": state["duplicates"], "sentences_translated": state["translated"],
                    "wall_s": round(wall, 2), "first_shard_s": round(state["first"], 2) if state["first"] else None,
                    "sentences_per_s": round(state["translated"] / wall, 2) if state["translated"] else None})
-    result = aggregate(store, counts, options.shard_size, list(names), reference)
+    result = aggregate(store, counts, options.shard_size, list(job.all_names), reference)
     return {"aggregate": result, "engine": engine,
             "input": {"path": str(Path(input_path).resolve()), "files": [str(f) for f in files], "rows": counts}}

@@ -31,7 +31,7 @@ from ray.data import ActorPoolStrategy, Datasource, ReadTask
 from ray.data.block import BlockMetadata
 
 from .corpus_io import expected_shards
-from .model_files import digests, materialize, shipment_files
+from .model_files import digests, materialize, shipment_files, shipped_external
 
 REPO = Path(__file__).resolve().parents[2]
 # What a node needs of the repository is its code: the rest stays on the driver.
@@ -77,12 +77,15 @@ class ShardWorker:
         from backends import SessionConfig, load_backends
 
         export_dir, files = job.export_dir, {"mode": "shared", "path": job.export_dir}
+        external = dict(job.external)
         if shipment is not None:
             refs = shipment["refs"]
             root = Path(cache) if cache else Path(tempfile.gettempdir()) / "bench-corpus-engine"  # on this node
             export_dir, files = materialize(root, shipment["digest"], lambda name: ray.get(refs[name]))
+            external = {name: str(export_dir.parent / where) for name, where in shipment["external"].items()}
         self.job = job
-        self.backends = load_backends(export_dir, names=job.names, session=SessionConfig(threads=job.threads))
+        self.backends = load_backends(export_dir, names=job.names, session=SessionConfig(threads=job.threads),
+                                      external=external)
         self.worker = {"engine": "ray", "node": ray.get_runtime_context().get_node_id(),
                        "host": socket.gethostname(), "pid": os.getpid(), "model_files": files}
 
@@ -123,9 +126,11 @@ def run(job, options, accept, log=print) -> dict:
             transfer = "ship" if any(n["NodeID"] != here for n in nodes) else "shared"
         shipment = None
         if transfer == "ship":
-            files = shipment_files(Path(job.export_dir), list(job.names))
+            external = dict(job.external)
+            files = shipment_files(Path(job.export_dir), list(job.names), external)
             digest = digests(files)
-            shipment = {"digest": digest, "refs": {name: ray.put(path.read_bytes()) for name, path in files.items()}}
+            shipment = {"digest": digest, "refs": {name: ray.put(path.read_bytes()) for name, path in files.items()},
+                        "external": shipped_external(external)}
             log(f"shipping {len(files)} model files ({sum(p.stat().st_size for p in files.values()) / 1e6:,.0f} MB) "
                 "through the object store, checked against the sidecar on each node")
         log(f"ray {ray.__version__}: {len(nodes)} node(s), {cpus} CPUs; {actors} actor(s) x {job.threads} thread(s); "
