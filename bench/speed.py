@@ -21,7 +21,7 @@ import numpy as np
 from backends import REFERENCE
 from corpus import Pair
 from service.environment import environment
-from service.reports import write
+from service.reports import failure_line, write
 from service.speedrun import SpeedOptions, add_comparisons, decoding_sentence, make_spec, model_info, sentence_info
 
 from . import floor as floor_mod, peers as peers_mod
@@ -239,7 +239,7 @@ def run(
             if "error" in r:
                 failed[name] = r["error"]
                 per_round.pop(name, None)
-                log(f"{name}: FAILED: {r['error'].splitlines()[0]}")
+                log(f"{name}: FAILED: {failure_line(r['error'])}")
                 continue
             per_round.setdefault(name, []).append({**r, **extra})
             _log_result(name, r, log)

@@ -24,6 +24,15 @@ def _decoding_line(results: dict) -> str:
     return line
 
 
+def failure_line(error: str) -> str:
+    """A runtime's error in one line: a worker's is "exit N; last lines of its log:" and a traceback,
+    whose last line is the reason (an external export of another model: what differs)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else error
+    return f"{lines[0]} … {lines[-1]}"
+
+
 def provenance(info: dict) -> str | None:
     """Where an external export (`--external NAME=DIR`, backends/ort_external.py) came from, in one
     line for a report; None for the built-in backends, whose files are the export's own."""
@@ -102,7 +111,7 @@ def render_speed(results: dict) -> str:
         out.append("| " + " | ".join(row) + " |")
     out.append("")
     for name, err in results.get("failed", {}).items():
-        out.append(f"- `{name}` did not run: {err.splitlines()[0]}")
+        out.append(f"- `{name}` did not run: {failure_line(err)}")
     for name, why in results.get("not_run", {}).items():
         out.append(f"- `{name}`: {why}")
     for name, r in runtimes.items():

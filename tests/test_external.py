@@ -287,6 +287,24 @@ def test_bench_speed_times_an_external_export_beside_the_built_in_ones_at_the_sa
     assert "| `optimum` (fp32) |" in table and "- `optimum`: external export, fp32" in table and str(optimum_dir) in table
 
 
+def test_bench_speed_reports_why_an_external_export_did_not_run(tiny_export_dir, optimum_dir, tmp_path, capsys):
+    """Another model's export fails in its worker; the report names what differs, the others are timed."""
+    from bench.__main__ import main
+
+    bad, out = _mismatched_copy(optimum_dir, tmp_path / "theirs"), tmp_path / "speed"
+    assert main(["speed", "--model", str(tiny_export_dir), "--backends", "ort_fp32_kv_cache", "--external",
+                 f"theirs={bad}", "--sentences", "2", "--batch-sizes", "2", "--sweep", "", "--warmup", "1",
+                 "--max-new-tokens", "4", "--no-floor", "--out", str(out)]) == 1
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert list(results["runtimes"]) == ["ort_fp32_kv_cache"] and list(results["failed"]) == ["theirs"]
+    reason = "ExternalExportError: " + f"{bad} is not an export of the reference model"
+    line = next(x for x in (out / "report.md").read_text(encoding="utf-8").splitlines() if "did not run" in x)
+    assert line.startswith("- `theirs` did not run: exit 1; last lines of theirs.log: … ") and reason in line
+    assert "config.json vocab_size is" in line
+    printed = capsys.readouterr().out
+    assert "theirs: FAILED: exit 1" in printed and reason in printed
+
+
 def test_bench_quality_runs_an_external_export_beside_the_built_in_ones(tiny_export_dir, optimum_dir, split_dir,
                                                                          tmp_path, capsys):
     import pyarrow.parquet as pq

@@ -27,7 +27,7 @@ from service.quickbench import (
     quick_sentences,
     save_quick,
 )
-from service.reports import find_reports, load_report
+from service.reports import failure_line, find_reports, load_report
 from service.speedrun import not_measured
 
 from .machine import load_warning
@@ -175,7 +175,7 @@ def notes_md(results: dict) -> str:
         lines.append(f"BLEU (sacrebleu, tokenize=\"zh\") and chrF of the batch-1 outputs over {n} sentences"
                      + (": few sentences, so a noisy figure." if n < 100 else "."))
     for name, err in results.get("failed", {}).items():
-        lines.append(f"`{name}` did not run: {err.splitlines()[0]}")
+        lines.append(f"`{name}` did not run: {failure_line(err)}")
     for name, why in results.get("not_run", {}).items():
         lines.append(f"`{name}` not run: {why}")
     cap = results["options"]["max_new_tokens"]
