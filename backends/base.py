@@ -142,7 +142,8 @@ class ForcedScores:
 class StepModel(Protocol):
     """The engine behind a backend: encode once, then produce next-token logits per step.
 
-    Beam search also needs `expand` and `reorder`; greedy search calls only `encode` and `step`.
+    Beam search also needs `expand` and `reorder`; greedy search calls `encode`, `step` and, where
+    the engine has it, `keep`.
     """
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
@@ -156,6 +157,10 @@ class StepModel(Protocol):
 
     def reorder(self, state: Any, beam_idx: np.ndarray) -> None:
         """beam_idx: (rows,) int64; row i continues from row beam_idx[i] (its cache and positions)."""
+
+    def keep(self, state: Any, rows: np.ndarray) -> None:
+        """Optional (greedy search): only these rows (ascending indices into the current ones) go on;
+        the others' sentences are finished. Without it, finished rows are computed to the end."""
 
 
 class Backend:

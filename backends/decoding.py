@@ -55,17 +55,28 @@ def decode(
     encoded = time.perf_counter()
 
     decoder_ids = np.full((batch * decoder.width, 1), special.decoder_start, dtype=np.int64)  # (rows, t)
+    # Greedy search drops a finished sentence from the engine (as CTranslate2 does): its rows
+    # would only produce pad. Rows are independent, so the others' numbers do not change.
+    compact = decoder.width == 1 and batch > 1 and callable(getattr(model, "keep", None))
+    rows = None  # the decoder_ids rows the engine still computes, ascending; None: all of them
     first_token = None
     for step in range(options.max_new_tokens):
         # A fresh (rows, V) array each step (a view of the engine's output): masked in place.
-        logits = np.asarray(model.step(state, decoder_ids), dtype=np.float32)
-        decoder_ids, beam_idx, done = decoder.update(step, decoder_ids, logits)
+        ids = decoder_ids if rows is None else decoder_ids[rows]
+        logits = np.asarray(model.step(state, ids), dtype=np.float32)
+        decoder_ids, beam_idx, done = decoder.update(step, decoder_ids, logits, rows)
         if first_token is None:
             first_token = time.perf_counter()
         if done:
             break
         if beam_idx is not None and not np.array_equal(beam_idx, np.arange(len(beam_idx))):
             model.reorder(state, beam_idx)
+        if compact:
+            alive = np.flatnonzero(~decoder.finished)
+            current = np.arange(batch) if rows is None else rows
+            if len(alive) < len(current):
+                model.keep(state, np.searchsorted(current, alive))
+                rows = alive
     end = time.perf_counter()
 
     generated = decoder_ids.shape[1] - 1

@@ -524,6 +524,14 @@ class ExternalStepModel:
         are the same for every beam of a sentence and stay where they are."""
         state.past = self._gather(state.past, beam_idx)  # (rows, h, p, d) each
 
+    def keep(self, state: _State, rows: np.ndarray) -> None:
+        """Greedy search: only `rows` go on; the caches, the mask and the encoder output shrink."""
+        if state.past is not None:
+            state.past, state.cross = self._gather(state.past, rows), self._gather(state.cross, rows)
+        state.mask = np.ascontiguousarray(state.mask[rows])
+        state.attention_mask = _value(state.mask)
+        state.hidden = _value(np.ascontiguousarray(state.hidden.numpy()[rows]))
+
     def _repeat_source(self, state: _State, n: int) -> None:
         """The encoder's mask and output, n rows per sentence."""
         state.mask = np.repeat(state.mask, n, axis=0)  # (b * n, s)

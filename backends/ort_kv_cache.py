@@ -97,6 +97,13 @@ class KVCacheStepModel:
         are the same for every beam of a sentence and stay where they are."""
         state.past = self._gather(state.past, beam_idx)  # (b * n, h, p, d) each
 
+    def keep(self, state: _State, rows: np.ndarray) -> None:
+        """Greedy search: only `rows` go on; every cached tensor and the mask shrink to them."""
+        state.past = self._gather(state.past, rows)
+        state.cross = self._gather(state.cross, rows)
+        state.mask = np.ascontiguousarray(state.mask[rows])
+        state.attention_mask = _value(state.mask)
+
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": _value(decoder_ids[:, -1:]), "encoder_attention_mask": state.attention_mask}  # (b, 1)
         feeds.update(zip(self.cross_names, state.cross))

@@ -39,6 +39,10 @@ class FullGraphStepModel:
         """Nothing cached: every step reads the reordered decoder ids whole. Rows of one sentence
         share its source, so the source rows need no reordering either."""
 
+    def keep(self, state: _State, rows: np.ndarray) -> None:
+        """Greedy search: only `rows` go on."""
+        state.input_ids, state.attention_mask = state.input_ids[rows], state.attention_mask[rows]
+
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         (logits,) = self.session.run(
             ["logits"],

@@ -66,6 +66,16 @@ class TorchStepModel:
         state.cache.reorder_cache(torch.from_numpy(np.ascontiguousarray(beam_idx, dtype=np.int64)))
 
     @torch.inference_mode()
+    def keep(self, state: _State, rows: np.ndarray) -> None:
+        """Greedy search: only `rows` go on: the encoder outputs, the mask and both caches shrink."""
+        index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        for key, value in list(state.encoder_outputs.items()):
+            if isinstance(value, torch.Tensor):
+                state.encoder_outputs[key] = value.index_select(0, index)
+        state.attention_mask = state.attention_mask.index_select(0, index)
+        state.cache.reorder_cache(index)  # self- and cross-attention caches alike
+
+    @torch.inference_mode()
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         out = self.model(
             encoder_outputs=state.encoder_outputs,

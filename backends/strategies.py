@@ -55,33 +55,42 @@ class GreedyDecoder:
         self.steps: list[list[StepScore]] = [[] for _ in range(batch)]
         self.non_finite: list[list[int]] = [[] for _ in range(batch)]
 
-    def update(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, None, bool]:
-        """logits (b, V), a fresh array (a view of the engine's output) masked in place
-        -> (decoder ids grown by one column, no reordering, whether every row is finished)."""
-        p, special, finished = self.processors, self.special, self.finished
-        repeated = p.repeated(decoder_ids)
+    def update(
+        self, step: int, decoder_ids: np.ndarray, logits: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, None, bool]:
+        """logits (r, V), a fresh array (a view of the engine's output) masked in place, for the
+        rows `rows` of decoder_ids (None: all b of them; the loop drops finished rows from the
+        engine) -> (decoder ids (b, t + 1), no reordering, whether every row is finished)."""
+        p, special = self.processors, self.special
+        ids = decoder_ids if rows is None else decoder_ids[rows]  # (r, t)
+        finished = self.finished if rows is None else self.finished[rows]  # (r,) a copy when rows is given
+        repeated = p.repeated(ids)
         if repeated is not None:
             logits[repeated] = p.penalise(logits[repeated])
         bad_rows, lse, top = score_step(
             logits, finished, p.bad, p.mask_eos(step), special.eos, self.options.top_k, self.threads,
-            p.banned(decoder_ids), p.forced(step),
-        )  # (b,), (b, 1), (b, k)
-        for row in np.flatnonzero(bad_rows & ~finished):
-            self.non_finite[row].append(step)
-        top_logprobs = np.take_along_axis(logits, top, axis=-1) - lse  # (b, k) float64
-        next_ids = top[:, 0].copy()
-        next_ids[finished] = special.pad
-        for row in np.flatnonzero(~finished):
+            p.banned(ids), p.forced(step),
+        )  # (r,), (r, 1), (r, k)
+        top_logprobs = np.take_along_axis(logits, top, axis=-1) - lse  # (r, k) float64
+        picked = top[:, 0].copy()
+        picked[finished] = special.pad
+        index = np.arange(len(picked)) if rows is None else rows  # each computed row's row of the batch
+        for i in np.flatnonzero(~finished):
+            row = index[i]
+            if bad_rows[i]:
+                self.non_finite[row].append(step)
             self.steps[row].append(
                 StepScore(
-                    token_id=int(next_ids[row]),
-                    logprob=float(top_logprobs[row, 0]),
-                    top_ids=top[row].tolist(),
-                    top_logprobs=top_logprobs[row].tolist(),
+                    token_id=int(picked[i]),
+                    logprob=float(top_logprobs[i, 0]),
+                    top_ids=top[i].tolist(),
+                    top_logprobs=top_logprobs[i].tolist(),
                 )
             )
-        finished |= next_ids == special.eos
-        return np.concatenate([decoder_ids, next_ids[:, None]], axis=1), None, bool(finished.all())
+        next_ids = np.full(decoder_ids.shape[0], special.pad, dtype=decoder_ids.dtype)
+        next_ids[index] = picked
+        self.finished[index] |= picked == special.eos
+        return np.concatenate([decoder_ids, next_ids[:, None]], axis=1), None, bool(self.finished.all())
 
     def finish(self, timings: dict[str, float]) -> list[RowResult]:
         eos, penalty = self.special.eos, self.options.length_penalty
@@ -200,8 +209,13 @@ class BeamSearchDecoder:
                 values[row, 0], values[row, 1:] = 0.0, -np.inf
         return top, values, non_finite
 
-    def update(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-        """logits (b * n, V) -> (the next rows' decoder ids, the row each continues, whether all are done)."""
+    def update(
+        self, step: int, decoder_ids: np.ndarray, logits: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """logits (b * n, V) -> (the next rows' decoder ids, the row each continues, whether all are done).
+        Every row is computed each step (`rows` None): a sentence's beams are not dropped."""
+        if rows is not None:
+            raise ValueError("beam search computes every row: rows must be None")
         o, eos = self.options, self.special.eos
         b, n, vocab = self.batch, self.width, logits.shape[1]
         ids, values, non_finite = self._log_probs(step, decoder_ids, logits)  # (b * n, K)

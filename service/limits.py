@@ -65,6 +65,8 @@ class _Timed:
     def __init__(self, inner, seconds: float):
         self.inner, self.seconds = inner, seconds
         self.deadline = time.monotonic() + seconds
+        if callable(getattr(inner, "keep", None)):  # greedy search's dropping of finished rows
+            self.keep = inner.keep
 
     def _check(self) -> None:
         if time.monotonic() > self.deadline:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends import SessionConfig, load_backends, load_manifest
+from backends import BACKEND_NAMES, SessionConfig, load_backends, load_manifest
 from backends.manifest import GENERATE_DEFAULTS, MANIFEST_NAME, UnsupportedGeneration, generation_section
 from conftest import EMBEDDED_MODEL, REPO, dev_sentences
 
@@ -684,3 +684,48 @@ def test_benchmarks_time_greedy_search_unless_told_even_when_the_model_beams(pea
     assert greedy != beams  # else this test could not tell them apart
     assert [o.ids for o in BackendRuntime(backend).translate(texts, 12, 0)] == greedy
     assert [o.ids for o in BackendRuntime(backend, {"num_beams": 4}).translate(texts, 12, 0)] == beams
+
+
+class _Rows:
+    """An engine wrapper that records the rows of each step; `keep` only where `dropping`."""
+
+    def __init__(self, inner, dropping: bool):
+        self.inner, self.rows = inner, []
+        self.encode, self.expand, self.reorder = inner.encode, inner.expand, inner.reorder
+        if dropping:
+            self.keep = inner.keep
+
+    def step(self, state, decoder_ids):
+        self.rows.append(decoder_ids.shape[0])
+        return self.inner.step(state, decoder_ids)
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_greedy_drops_finished_sentences_and_changes_no_number(embedded, name):
+    """Greedy search stops computing a sentence once it has ended (as CTranslate2 does): the engine's
+    steps shrink, and every sentence's ids and log-probs equal those of the whole batch computed to
+    the end. The embedded model: a trained model's sentences end at different steps."""
+    from backends.base import Backend
+
+    backend = embedded[name]
+    texts = ["Hi.", "OK", *dev_sentences(6), "Click OK to save the document and close the window when you are done."]
+    runs = {}
+    for dropping in (False, True):
+        engine = _Rows(backend.model, dropping)
+        wrapped = Backend(name, engine, backend.tokenizer, backend.manifest, backend.info)
+        runs[dropping] = (wrapped.translate(texts, num_beams=1, max_new_tokens=64), engine.rows)
+    (full, full_rows), (dropped, dropped_rows) = runs[False], runs[True]
+    assert set(full_rows) == {len(texts)}
+    lengths = sorted(len(t.token_ids) for t in full)
+    assert lengths[0] < lengths[-1], lengths  # sentences end at different steps: something to drop
+    assert dropped_rows[0] == len(texts) and dropped_rows[-1] < len(texts) and dropped_rows == sorted(dropped_rows, reverse=True)
+    if name == "ort_int8":
+        # Dynamic quantization scales each step's activations over all the rows it is given, so
+        # int8's numbers depend on a sentence's batch neighbours anyway; fewer neighbours, other numbers.
+        assert sum(a.token_ids == b.token_ids for a, b in zip(full, dropped)) >= len(texts) // 2
+        return
+    assert len(dropped_rows) == len(full_rows)
+    for a, b in zip(full, dropped):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
+        assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
