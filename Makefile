@@ -1,4 +1,6 @@
-# `make run`: the app on the embedded model. `make test`: the whole test suite.
+# `make run`: the app on the embedded model. `make test`: the whole test suite, with the peer
+# environment (.venv-bench) first, so the tests that make Optimum / CTranslate2 conversions run
+# rather than skip (CI is a fresh machine; the app itself never needs .venv-bench).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +18,7 @@ $(VENV)/.installed: requirements.txt
 run: setup
 	$(PY) app.py
 
-test: setup
+test: setup bench-venv
 	$(PY) -m pytest
 
 # The opus-mt-sized random fixture and its export, for benchmarks at real scale.

@@ -39,6 +39,13 @@ def tiny_export_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def peer_cache(tmp_path_factory) -> Path:
+    """One folder of the peers' conversions (bench.peers.prepare) for the run: a conversion of the
+    tiny fixture is made once and reused by every test that asks for it (each costs 8-10 s)."""
+    return tmp_path_factory.mktemp("peers")
+
+
+@pytest.fixture(scope="session")
 def tiny_backends(tiny_export_dir):
     from backends import SessionConfig, load_backends
 

@@ -474,14 +474,14 @@ def test_table_of_a_beam_run_says_beam(beam_run, capsys):
 
 
 @pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
-def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, tmp_path):
+def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, peer_cache, tmp_path):
     from bench.speed import run
     from service.speedrun import SpeedOptions
 
     pairs = default_sample(4)
     options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1)
     results = run(tiny_export_dir, pairs, options, tmp_path / "out", backend_names=["pytorch"],
-                  peer_names=["ct2_float32", "ct2_int8"], peer_python=PEER_PYTHON, peer_cache=tmp_path / "peers",
+                  peer_names=["ct2_float32", "ct2_int8"], peer_python=PEER_PYTHON, peer_cache=peer_cache,
                   log=lambda m: None)
     assert results["failed"] == {}
     for name in ("ct2_float32", "ct2_int8"):
@@ -495,14 +495,14 @@ def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, tmp_path):
 
 
 @pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
-def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, tmp_path):
+def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, peer_cache, tmp_path):
     from bench.speed import run
     from service.speedrun import SpeedOptions
 
     options = SpeedOptions(max_new_tokens=6, batch_sizes=(2,), sweep_lengths=(), warmup=1, floor=False)
     peers = ["optimum_fp32", "ct2_float32"]
     results = run(tiny_export_dir, default_sample(2), options, tmp_path / "out", backend_names=["pytorch"],
-                  peer_names=peers, peer_python=PEER_PYTHON, peer_cache=tmp_path / "peers", log=lambda m: None,
+                  peer_names=peers, peer_python=PEER_PYTHON, peer_cache=peer_cache, log=lambda m: None,
                   num_beams=2)
     assert results["failed"] == {}
     optimum, ct2 = (results["runtimes"][n] for n in peers)

@@ -2,9 +2,12 @@
 fixture, made here by `optimum-cli` in the peer environment, runs through our decoding loop token
 for token like the pytorch backend, greedy and with beams, in both Optimum layouts (merged decoder;
 decoder + decoder with past); a folder of another model is refused naming what differs while the
-other backends load; provenance is recorded; no torch on its path.
+other backends load; provenance is recorded; no torch on its path. The same for NLLB (M2M100) and
+mBART-50 fixtures, greedy and at each family's own beam count, with its forced target language.
 
-The tests that need an Optimum export skip where `.venv-bench` is absent (`make bench-venv`).
+The tests that need an Optimum export use the peer environment `.venv-bench`: `make test` creates
+it before pytest (so they run in CI); pytest run directly where it is absent skips them
+(`make bench-venv` creates it).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from backends import SessionConfig, load_backends, load_manifest, try_load_backends
 from backends.ort_external import ExternalExportError, check, find_layout, parse_external
-from conftest import REPO, dev_sentences
+from conftest import REPO, TRAIN_TSV, dev_sentences
+from test_families import CASES
 
 PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 NO_PEERS = "no peer environment with optimum-cli (.venv-bench); `make bench-venv` creates it"
@@ -29,14 +34,15 @@ META = ("config.json", "generation_config.json", "source.spm", "target.spm", "vo
 
 
 @pytest.fixture(scope="module")
-def optimum_dir(tiny_model_dir, tmp_path_factory) -> Path:
+def optimum_dir(tiny_model_dir, tiny_export_dir, peer_cache) -> Path:
     """`optimum-cli export onnx --task text2text-generation-with-past` of the tiny fixture, made once
-    per module with bench/peers.py's own conversion (it writes all four graphs)."""
+    per run with bench/peers.py's own conversion (it writes all four graphs), where `bench speed
+    --peers` keeps it (PEER_CACHE/EXPORT_NAME/optimum): test_bench's peer tests reuse it."""
     if not (PEER_PYTHON.parent / "optimum-cli").is_file():
         pytest.skip(NO_PEERS)
     from bench.peers import prepare
 
-    prepared = prepare(Path(tiny_model_dir), tmp_path_factory.mktemp("peers"), ["optimum_fp32"], PEER_PYTHON,
+    prepared = prepare(Path(tiny_model_dir), peer_cache / Path(tiny_export_dir).name, ["optimum_fp32"], PEER_PYTHON,
                        log=lambda m: None)["optimum_fp32"]
     assert "error" not in prepared, prepared["error"]
     return Path(prepared["dir"])
@@ -407,6 +413,193 @@ def test_spot_check_runs_external_backends_beside_the_built_in_ones(loaded, tmp_
     assert "`optimum`: external export, fp32" in view.status and "`broken` not run: failed to load" in view.status
     saved = json.loads(view.json_path.read_text(encoding="utf-8"))
     assert saved["backends"]["optimum"]["info"]["source"]["files"][0]["file"] == "encoder_model.onnx"
+
+
+# --- NLLB (M2M100) and mBART-50 -----------------------------------------------------------------------
+#
+# The families' tiny fixtures with their weights spread (`_spread`): as built, random tiny NLLB and
+# mBART weights give every sentence the same output (the final LayerNorm leaves the logits ~0.1
+# apart, whatever the source), so equal ids would say nothing about the encoder, and no beam ends.
+# Our export of each is the reference (unverified here: test_families verifies these families'
+# exports); Optimum exports the same weights with the peer environment's transformers 4.x. That
+# transformers cannot read the fixtures' tokenizer_config.json (written by transformers 5, its
+# `extra_special_tokens` a list: AutoTokenizer raises "'list' object has no attribute 'keys'"), so
+# optimum-cli writes the graphs and config.json without a tokenizer. The tokenizer a hub model's
+# Optimum export carries is made here by the peer environment's own fast tokenizer class from the
+# fixture's tokenizer.json: 4.x files, checked against our 5.x sidecar id by id.
+
+# fixture -> the peer environment's tokenizer class (transformers 4.x)
+PEER_TOKENIZERS = {"nllb-tiny": "NllbTokenizerFast", "mbart50-tiny": "MBart50TokenizerFast"}
+SPREAD, EOS_LIFT = 8.0, 2.5  # chosen on the fixtures (seed 0): outputs differ by sentence, some beams end
+
+
+def _spread(model) -> None:
+    """Every weight matrix times SPREAD, so the logits depend on the source (a closest pair of top
+    tokens 0.005 apart at the least, far above PyTorch-vs-ORT float differences); eos lifted by
+    EOS_LIFT at every step, so some hypotheses end before the cap: mBART through its
+    final_logits_bias; NLLB, which has none, through the decoder's final LayerNorm bias along eos's
+    row of the tied output layer (adding c w/|w|^2 to the bias adds c to eos's logit)."""
+    import torch
+
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(SPREAD)
+        if hasattr(model, "final_logits_bias"):
+            model.final_logits_bias[0, eos] += EOS_LIFT
+        else:
+            w = model.lm_head.weight[eos]
+            model.model.decoder.layer_norm.bias.add_(EOS_LIFT / float(w @ w) * w)
+
+
+PEER_TOKENIZER_SCRIPT = """
+import sys, transformers
+model, out, cls, src, tgt = sys.argv[1:]
+tok = getattr(transformers, cls)(tokenizer_file=model + "/tokenizer.json", src_lang=src, tgt_lang=tgt)
+tok.save_pretrained(out)
+"""
+
+
+@dataclass
+class Family:
+    name: str  # the fixture: nllb-tiny or mbart50-tiny
+    model: Path  # its weights and tokenizer
+    export: Path  # our export of it: the reference
+    graphs: Path  # Optimum's graphs and config.json, no tokenizer (what optimum-cli wrote)
+    optimum: Path  # the same with the tokenizer the peer environment writes
+    split: Path  # that without the merged decoder
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory) -> Family:
+    """One family's fixture, spread, exported by us and by Optimum (about 45 s each on 2 shared cores:
+    our export 25-30 s, optimum-cli 8-9 s, the peer tokenizer 4-5 s)."""
+    if not (PEER_PYTHON.parent / "optimum-cli").is_file():
+        pytest.skip(NO_PEERS)
+    import transformers
+
+    from bench.peers import prepare
+    from export.fixtures import FAMILY_FIXTURES, build
+    from export.pipeline import ExportOptions, export
+
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = build(name, root / "model", corpus=TRAIN_TSV)
+    weights = getattr(transformers, FAMILY_FIXTURES[name].architecture).from_pretrained(model).eval()
+    _spread(weights)
+    weights.save_pretrained(model)
+    reference = export(str(model), ExportOptions(out=root / "export", threads=1, verify=False), log=lambda *a, **k: None)
+    prepared = prepare(model, root / "peers", ["optimum_fp32"], PEER_PYTHON, log=lambda m: None)["optimum_fp32"]
+    assert "error" not in prepared, prepared["error"]
+    written = Path(prepared["dir"])
+    folders = {k: root / k for k in ("graphs", "optimum", "split")}
+    for folder in folders.values():
+        folder.mkdir()
+    for path in written.iterdir():
+        if path.suffix == ".onnx" or path.name in ("config.json", "generation_config.json"):
+            (folders["graphs"] / path.name).symlink_to(path)
+            (folders["optimum"] / path.name).symlink_to(path)
+            if path.name != "decoder_model_merged.onnx":
+                (folders["split"] / path.name).symlink_to(path)
+    _, _, src, tgt = CASES[name]
+    subprocess.run([PEER_PYTHON, "-c", PEER_TOKENIZER_SCRIPT, model, folders["optimum"], PEER_TOKENIZERS[name], src,
+                    tgt], check=True, capture_output=True, timeout=120)
+    for path in folders["optimum"].iterdir():
+        if not path.is_symlink():  # the tokenizer files
+            (folders["split"] / path.name).symlink_to(path)
+    return Family(name, model, reference, **folders)
+
+
+@pytest.fixture(scope="module")
+def family_loaded(family):
+    backends = load_backends(family.export, names=("pytorch",), session=SessionConfig(threads=1),
+                             external={"optimum": family.optimum, "optimum_split": family.split})
+    yield backends
+    for b in backends.values():
+        b.close()
+
+
+def test_family_export_without_a_tokenizer_is_refused_naming_the_missing_files(family):
+    manifest = load_manifest(family.export)
+    with pytest.raises(ExternalExportError) as e:
+        load_backends(family.export, names=(), external={"theirs": family.graphs})
+    message = str(e.value)
+    assert f"tokenizer files missing: {', '.join(manifest.tokenizer_files)}" in message, message
+    assert "copy the tokenizer the model was exported with next to the graphs" in message
+
+
+def test_family_export_is_checked_and_recorded_as_the_familys(family, family_loaded):
+    manifest = load_manifest(family.export)
+    info = family_loaded["optimum"].info
+    assert info["graph"] == "encoder_model.onnx + decoder_model_merged.onnx"
+    assert family_loaded["optimum_split"].info["graph"] == \
+        "encoder_model.onnx + decoder_model.onnx + decoder_with_past_model.onnx"
+    source = info["source"]
+    assert source["config"]["model_type"] == manifest.family == CASES[family.name][0]
+    model = manifest.data["model"]
+    heads = model["decoder_attention_heads"]
+    assert source["cache"] == {"layers": model["decoder_layers"], "heads": heads,
+                               "head_dim": model["d_model"] // heads, "dtype": "float32"}
+    # the peer environment's 4.x tokenizer files, not ours: the check compared them, id by id
+    assert json.loads((family.optimum / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        PEER_TOKENIZERS[family.name]
+    assert any("every id's piece" in c for c in source["checked"])
+
+
+@pytest.mark.parametrize("name", ["optimum", "optimum_split"])
+def test_family_greedy_ids_identical_to_pytorch_with_the_forced_target_language(family_loaded, name):
+    sentences = dev_sentences(5)
+    ref = family_loaded["pytorch"].translate(sentences, max_new_tokens=24, num_beams=1)
+    out = family_loaded[name].translate(sentences, max_new_tokens=24, num_beams=1)  # one padded batch
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert [o.text for o in out] == [r.text for r in ref]
+    forced = family_loaded["pytorch"].manifest.generation.forced_bos_token_id
+    assert all(r.token_ids[0] == forced for r in ref)
+    assert len({tuple(r.token_ids) for r in ref}) > 1  # the source matters: not one output for all
+    for o, r in zip(out, ref):
+        assert [s.logprob for s in o.scores] == pytest.approx([s.logprob for s in r.scores], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["optimum", "optimum_split"])
+def test_family_beam_ids_and_n_best_identical_to_pytorch_at_its_own_beams(family_loaded, name):
+    sentences = dev_sentences(5)
+    beams = family_loaded["pytorch"].manifest.generation.num_beams  # NLLB's 4, mBART-50's 5
+    assert beams > 1
+    decode = dict(max_new_tokens=24, num_beams=beams, num_return_sequences=beams)
+    ref = family_loaded["pytorch"].translate(sentences, **decode)
+    out = family_loaded[name].translate(sentences, **decode)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    for o, r in zip(out, ref):
+        assert [h.token_ids for h in o.hypotheses] == [h.token_ids for h in r.hypotheses]
+        assert [h.score for h in o.hypotheses] == pytest.approx([h.score for h in r.hypotheses], abs=1e-4)
+    assert min(len(r.token_ids) for r in ref) < 24  # beams finish: eos decides, not the cap
+    (single,) = family_loaded[name].translate(sentences[2:3], **decode)
+    assert single.token_ids == out[2].token_ids
+
+
+def test_family_teacher_forced_logits_match_pytorch_at_every_position(family_loaded):
+    """40 target positions, one sentence: the decoder's positions (NLLB's sinusoidal table, mBART's
+    learned one, each offset by 2) agree with PyTorch's at each."""
+    text = dev_sentences(4)[3]
+    target = family_loaded["pytorch"].translate([text], max_new_tokens=40, min_new_tokens=40,
+                                                num_beams=1)[0].token_ids
+    assert len(target) == 40
+    ref = family_loaded["pytorch"].score(text, target)
+    out = family_loaded["optimum"].score(text, target)
+    assert out.ranks == ref.ranks
+    assert abs(out.logits - ref.logits).max() < 1e-3
+
+
+def test_family_target_language_override_reaches_the_external_backend(family):
+    other = {"nllb-tiny": "fra_Latn", "mbart50-tiny": "fr_XX"}[family.name]
+    backends = load_backends(family.export, names=("pytorch",), tgt_lang=other, session=SessionConfig(threads=1),
+                             external={"optimum": family.optimum})
+    forced = backends["pytorch"].tokenizer._tok.convert_tokens_to_ids(other)
+    sentences = dev_sentences(3)
+    ref = [t.token_ids for t in backends["pytorch"].translate(sentences, max_new_tokens=12, num_beams=1)]
+    out = [t.token_ids for t in backends["optimum"].translate(sentences, max_new_tokens=12, num_beams=1)]
+    assert out == ref and all(ids[0] == forced for ids in out)
 
 
 # --- without the peer environment -------------------------------------------------------------------
