@@ -35,15 +35,23 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 	touch $@
 
 # The README's tables: the embedded model, then the opus-mt-sized random fixture with peers.
+# Speed runs leave out ort_fp32_single_step (the naive baseline: minutes per round at batch 32;
+# `python -m bench speed` without --backends times it). Medians of 3 rounds, run round-robin.
+SPEED_BACKENDS := pytorch,ort_fp32_kv_cache,ort_fp16,ort_int8
 bench: setup bench-venv
-	$(PY) -m bench speed --peers --rounds 2 --out bench-results/embedded
+	$(PY) -m bench speed --peers --rounds 3 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --out bench-results/embedded
+	$(PY) -m bench speed --peers --num-beams 4 --quick --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --out bench-results/embedded-beam4
 	$(PY) -m bench quality --out bench-results/embedded-quality
 
 runs/fixtures/opus-mt-random/config.json: | setup
 	$(PY) -m export.fixtures opus-mt-random --out runs/fixtures/opus-mt-random --force
 
+# At opus-mt size every runtime costs minutes a round: the peers that set the targets (generate(),
+# CTranslate2), no length sweep (`python -m bench speed --model ... --peers` runs everything).
+OPUS_PEERS := transformers,ct2_float32,ct2_int8
 bench-opus: setup bench-venv runs/fixtures/opus-mt-random/config.json
-	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --peers --rounds 3 --out bench-results/opus-mt-random
+	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --batch-sizes 32 --throughput-sentences 32 --sweep '' --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --out bench-results/opus-mt-random
+	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --num-beams 4 --batch-sizes 4 --throughput-sentences 8 --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --out bench-results/opus-mt-random-beam4
 
 clean:
 	rm -rf exports runs test-artifacts .pytest_cache
