@@ -27,6 +27,8 @@ from backends.manifest import (
     sha256_file,
 )
 
+from service.protocol import reset_peak_rss
+
 from . import fp16, graphs, quantize, rewrite, verify
 from .onnx_io import external_files
 from .source import load_source
@@ -83,15 +85,6 @@ def versions() -> dict[str, str]:
     }
 
 
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _status_mb(field: str) -> float | None:
     """A /proc/self/status figure in MB (VmHWM: peak RSS since start or the last reset; VmRSS: now);
     None off Linux."""
@@ -136,7 +129,7 @@ class _Steps:
     def run(self, title: str, fn, *args, **kwargs):
         self.n += 1
         self.log(f"[{self.n}/{self.total}] {title} ...", flush=True)
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         self.start_rss_mb[title] = _status_mb("VmRSS")
         start = time.perf_counter()
         result = fn(*args, **kwargs)

@@ -88,16 +88,21 @@ def test_greedy_ids_identical_to_pytorch_on_8_dev_sentences(loaded, name):
         assert [s.logprob for s in o.scores] == pytest.approx([s.logprob for s in r.scores], abs=1e-4)
 
 
+def _assert_same_n_best(out, ref) -> None:
+    """Best ids, and every hypothesis of the n-best list with its score, as the pytorch backend's."""
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    for o, r in zip(out, ref):
+        assert [h.token_ids for h in o.hypotheses] == [h.token_ids for h in r.hypotheses]
+        assert [h.score for h in o.hypotheses] == pytest.approx([h.score for h in r.hypotheses], abs=1e-4)
+
+
 @pytest.mark.parametrize("name", ["optimum", "optimum_split"])
 def test_beam_4_ids_and_n_best_identical_to_pytorch(loaded, name):
     sentences = dev_sentences(8)
     decode = dict(max_new_tokens=16, num_beams=4, num_return_sequences=4)
     ref = loaded["pytorch"].translate(sentences, **decode)
     out = loaded[name].translate(sentences, **decode)
-    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    for o, r in zip(out, ref):
-        assert [h.token_ids for h in o.hypotheses] == [h.token_ids for h in r.hypotheses]
-        assert [h.score for h in o.hypotheses] == pytest.approx([h.score for h in r.hypotheses], abs=1e-4)
+    _assert_same_n_best(out, ref)
     # One sentence alone decodes as it did in the batch (the per-sentence first step and its repeat).
     (single,) = loaded[name].translate(sentences[3:4], **decode)
     assert single.token_ids == out[3].token_ids
@@ -569,10 +574,7 @@ def test_family_beam_ids_and_n_best_identical_to_pytorch_at_its_own_beams(family
     decode = dict(max_new_tokens=24, num_beams=beams, num_return_sequences=beams)
     ref = family_loaded["pytorch"].translate(sentences, **decode)
     out = family_loaded[name].translate(sentences, **decode)
-    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    for o, r in zip(out, ref):
-        assert [h.token_ids for h in o.hypotheses] == [h.token_ids for h in r.hypotheses]
-        assert [h.score for h in o.hypotheses] == pytest.approx([h.score for h in r.hypotheses], abs=1e-4)
+    _assert_same_n_best(out, ref)
     assert min(len(r.token_ids) for r in ref) < 24  # beams finish: eos decides, not the cap
     (single,) = family_loaded[name].translate(sentences[2:3], **decode)
     assert single.token_ids == out[2].token_ids
