@@ -40,6 +40,12 @@ def _top_k_reference(scores: np.ndarray, k: int) -> np.ndarray:
     return order[:, :k]
 
 
+# From this many rows, the batched top-k (one vectorised pass for the rows without ties) beats the
+# per-row loop, whose Python work per row (~60 us) dominated at batch 32: 3.1 ms -> 1.4 ms for
+# 32 x 15123 logits; below it the loop is faster (batch 1, 65001: 59 us vs 128 us).
+_BATCHED_ROWS = 8
+
+
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """scores (b, V) -> ids (b, k), best first; ties broken by the lower id, like argmax.
 
@@ -55,21 +61,64 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     block_max = scores[:, : n * _BLOCK].reshape(b, _BLOCK, n).max(axis=1)  # (b, n)
     if v > n * _BLOCK:
         block_max = np.concatenate([block_max, scores[:, n * _BLOCK :].max(axis=-1, keepdims=True)], axis=1)
-    kth = np.partition(block_max, -k, axis=-1)[:, -k:].min(axis=-1, keepdims=True)  # (b, 1)
     out = np.empty((b, k), dtype=np.int64)
+    rows = np.arange(b)
+    if b >= _BATCHED_ROWS:
+        rows = _top_k_batched(scores, k, block_max, out)
+    _top_k_each(scores, k, block_max, rows, out)
+    return out
+
+
+def _top_k_each(scores: np.ndarray, k: int, block_max: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """out[rows] = the top k of those rows, one row at a time: exact whatever the ties or NaNs."""
+    v = scores.shape[1]
+    n = v // _BLOCK
+    if not len(rows):
+        return
+    kth = np.partition(block_max[rows], -k, axis=-1)[:, -k:].min(axis=-1)  # (r,)
     strides = n * np.arange(_BLOCK)
-    for row in range(b):
-        if np.isnan(kth[row, 0]) or np.isnan(block_max[row]).any():
+    for row, kth_row in zip(rows, kth):
+        if np.isnan(kth_row) or np.isnan(block_max[row]).any():
             out[row] = _top_k_reference(scores[row : row + 1], k)[0]  # NaN: no order to exploit
             continue
-        blocks = np.flatnonzero(block_max[row] >= kth[row, 0])
+        blocks = np.flatnonzero(block_max[row] >= kth_row)
         head = blocks[blocks < n]
         ids = (head[:, None] + strides).ravel()
         if blocks[-1] == n:  # the tail block
             ids = np.concatenate([ids, np.arange(n * _BLOCK, v)])
         vals = scores[row, ids]
         out[row] = ids[np.lexsort((ids, -vals))[:k]]
-    return out
+
+
+def _top_k_batched(scores: np.ndarray, k: int, block_max: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[r] for the rows where no tie can decide the order, in one vectorised pass: exactly k
+    blocks reach the k-th block maximum and exactly one candidate holds the k-th value. Returns
+    the other rows (ties, NaNs), left to `_top_k_each`."""
+    b, v = scores.shape
+    n = v // _BLOCK
+    tail = v > n * _BLOCK
+    part = np.argpartition(block_max, -k, axis=-1)[:, -k:]  # (b, k): blocks holding the k largest maxima
+    kth = np.take_along_axis(block_max, part, axis=-1).min(axis=-1, keepdims=True)  # (b, 1)
+    with np.errstate(invalid="ignore"):
+        simple = ((block_max >= kth).sum(axis=-1) == k) & ~np.isnan(kth[:, 0])
+    rows = np.flatnonzero(simple)
+    if len(rows):
+        blocks = part[rows]  # (r, k)
+        ids = blocks[:, :, None] + np.arange(_BLOCK) * n  # (r, k, 128): the blocks' ids
+        if tail:  # the tail block's ids run past v; those slots read -inf below
+            ids = np.where((blocks == n)[:, :, None], n * _BLOCK + np.arange(_BLOCK), ids)
+        ids = ids.reshape(len(rows), -1)
+        vals = np.take_along_axis(scores[rows], np.minimum(ids, v - 1), axis=-1)  # (r, k * 128)
+        if tail:
+            vals[ids >= v] = -np.inf
+        pick = np.argpartition(-vals, k - 1, axis=-1)[:, :k]  # the k largest; a tie at the k-th is arbitrary
+        top_vals = np.take_along_axis(vals, pick, axis=-1)
+        unique = (vals == top_vals.min(axis=-1, keepdims=True)).sum(axis=-1) == 1  # else the id decides
+        top_ids = np.take_along_axis(ids, pick, axis=-1)
+        order = np.lexsort((top_ids, -top_vals), axis=-1)  # equal values above the k-th: lower id first
+        out[rows] = np.take_along_axis(top_ids, order, axis=-1)
+        simple[rows[~unique]] = False
+    return np.flatnonzero(~simple)
 
 
 # Rows per thread below which splitting a batch costs more than it saves (one 65001-wide row

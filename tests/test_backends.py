@@ -180,14 +180,16 @@ def test_ort_backends_never_import_torch(tiny_export_dir):
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
+@pytest.mark.parametrize("rows", [6, 40])  # below and above _BATCHED_ROWS: the per-row loop, the batched pass
 @pytest.mark.parametrize("kind", ["normal", "ties", "masked", "one_finite", "mixed", "nan"])
-def test_fast_top_k_equals_a_full_sort(kind):
+def test_fast_top_k_equals_a_full_sort(kind, rows):
     """The decoding loop's blockwise top-k against the definition: a stable sort by (-value, id)."""
-    from backends.scoring import _BLOCK, _top_k, _top_k_reference
+    from backends.scoring import _BATCHED_ROWS, _BLOCK, _top_k, _top_k_reference
 
+    assert 6 < _BATCHED_ROWS <= 40
     rng = np.random.default_rng(7)
     for vocab in (65001, 15123, 4000):
-        x = rng.standard_normal((6, vocab)).astype(np.float32)
+        x = rng.standard_normal((rows, vocab)).astype(np.float32)
         if kind == "ties":
             x = np.round(x)  # five distinct values: the k-th place is always a tie
         elif kind == "masked":
