@@ -117,7 +117,7 @@ class Translation:
     text: str
     token_ids: list[int]  # generated ids, decoder start excluded, eos included when reached
     tokens: list[str]  # sentencepiece pieces of token_ids
-    timings_ms: dict[str, float]  # tokenize, encode, first_token, decode, total, per_token (batch-wide)
+    timings_ms: dict[str, float]  # tokenize, encode, first_token, decode, total, per_token, steps, engine (batch-wide)
     scores: list[StepScore]
     stop_reason: str  # "eos", or "max_new_tokens" (cut at the cap, even where the model forces eos there)
     batch_size: int = 1

@@ -308,6 +308,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
         merged["throughput"][batch]["seconds"] = seconds
         merged["throughput"][batch]["sentences_per_s"] = first["sentences"] / seconds
         merged["throughput"][batch]["tokens_per_s"] = first["generated_tokens"] / seconds
+        if "engine_seconds" in first:
+            merged["throughput"][batch]["engine_seconds"] = med([r["throughput"][batch]["engine_seconds"] for r in rounds])
     merged["rounds"] = [
         {"b1_p50_ms": r["latency"]["p50"], **{f"b{b}_sent_per_s": t["sentences_per_s"] for b, t in r["throughput"].items()}}
         for r in rounds

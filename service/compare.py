@@ -137,13 +137,13 @@ def _error(e: BaseException) -> str:
 def _run(backend: Backend, segments: list[Segment], groups: list[list[int]], **decode) -> tuple[list, dict]:
     """Every segment through one backend, a batch per group; (translations in order, timings)."""
     translations: list[Translation | None] = [None] * len(segments)
-    timings = dict.fromkeys(("tokenize", "encode", "first_token", "decode", "total", "steps"), 0.0)
+    timings = dict.fromkeys(("tokenize", "encode", "first_token", "decode", "total", "steps", "engine"), 0.0)
     for k, group in enumerate(groups):
         out = backend.translate([segments[i].text for i in group], **decode)
         for i, t in zip(group, out):
             translations[i] = t
         batch = out[0].timings_ms  # batch-wide: every row of a call shares them
-        for key in ("tokenize", "encode", "decode", "total", "steps"):
+        for key in ("tokenize", "encode", "decode", "total", "steps", "engine"):
             timings[key] += batch[key]
         if k == 0:
             timings["first_token"] = batch["first_token"]

@@ -47,11 +47,15 @@ class BackendRuntime:
     def __init__(self, backend, decode: dict | None = None):
         self.backend = backend
         self.decode = {"num_return_sequences": 1, **(decode or {"num_beams": 1})}
+        # ms the last call spent inside the engine (graphs or modules): what is left of a call's
+        # time without the decoding loop's own work. Peers have no such figure (None).
+        self.engine_ms: float | None = None
 
     def translate(self, texts, max_new_tokens, min_new_tokens):
         results = self.backend.translate(
             texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1, **self.decode
         )
+        self.engine_ms = results[0].timings_ms.get("engine") if results else None
         return [Output(t.token_ids, t.text) for t in results]
 
 
@@ -127,6 +131,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # bytes on macOS
 
 
+def _engine_ms(runtime: Runtime) -> float | None:
+    return getattr(runtime, "engine_ms", None)
+
+
 def _lengths(forced: int | None, cap: int) -> tuple[int, int]:
     return (forced, forced) if forced else (cap, 0)
 
@@ -154,14 +162,18 @@ def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lamb
     result["rss_after_warmup_mb"] = rss_mb()
 
     progress(f"batch-1 latency over {len(spec.latency_idx)} sentences")
-    times, per_token, outputs = [], [], []
+    times, per_token, engine_per_token, outputs = [], [], [], []
     for i in spec.latency_idx:
         ms, [out] = _timed(runtime, [s[i]], max_new, min_new)
         times.append(ms)
         per_token.append(ms / max(len(out.ids), 1))
+        if _engine_ms(runtime) is not None:
+            engine_per_token.append(_engine_ms(runtime) / max(len(out.ids), 1))
         outputs.append(asdict(out))
     lat = percentiles(times)
     lat["ms_per_token_p50"] = float(np.percentile(per_token, 50))
+    if len(engine_per_token) == len(times):  # the engine alone: what a faster loop could approach
+        lat["engine_ms_per_token_p50"] = float(np.percentile(engine_per_token, 50))
     lat["ms_per_token_mean"] = float(np.mean(per_token))
     lat["tokens_mean"] = float(np.mean([len(o["ids"]) for o in outputs]))
     # Not forced: sentences that ran into the cap instead of ending with eos (a degenerate model).
@@ -173,11 +185,12 @@ def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lamb
     for b in spec.batch_sizes:
         progress(f"throughput at batch {b} over {len(spec.throughput_idx)} length-sorted sentences")
         idx = spec.throughput_idx
-        total_ms, tokens, batch_ms = 0.0, 0, []
+        total_ms, tokens, batch_ms, engine = 0.0, 0, [], []
         for k in range(0, len(idx), b):
             ms, outs = _timed(runtime, [s[i] for i in idx[k : k + b]], max_new, min_new)
             total_ms += ms
             batch_ms.append(ms)
+            engine.append(_engine_ms(runtime))
             tokens += sum(len(o.ids) for o in outs)
         result["throughput"][str(b)] = {
             "sentences": len(idx),
@@ -187,6 +200,8 @@ def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lamb
             "tokens_per_s": tokens / (total_ms / 1e3),
             "generated_tokens": tokens,
         }
+        if None not in engine:  # seconds inside the engine over the same calls
+            result["throughput"][str(b)]["engine_seconds"] = sum(engine) / 1e3
 
     result["sweep"] = {}
     for n in spec.sweep_lengths:

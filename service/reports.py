@@ -153,7 +153,7 @@ def render_speed(results: dict) -> str:
                 "| decoder graph | weights read per step MB | floor ms/token |", "|---|---:|---:|"]
         out += [f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} |" for g, v in fl["graphs"].items()]
     if results.get("targets"):
-        out += ["", "## Speed targets (issue #6), measured in this run", "", "| target | measured | held? |",
+        out += ["", "## Speed targets (issue #16), measured in this run", "", "| target | measured | held? |",
                 "|---|---|---|"]
         for t in results["targets"]:
             out.append(f"| {t['target']} | {t['measured']} | {({True: 'yes', False: 'no', None: '–'})[t['held']]} |")

@@ -201,7 +201,7 @@ CONTRACT = {
         "ref_token_prob_reference", "ref_token_rank", "steps", "steps_not_argmax", "steps_top1_differs",
     },
     "runs": {"cold_ms", "max_ms", "median_ms", "min_ms", "n", "over", "spread_ms", "stdev_ms", "totals_ms"},
-    "timings_ms": {"decode", "encode", "first_token", "per_token", "steps", "tokenize", "total"},
+    "timings_ms": {"decode", "encode", "first_token", "per_token", "steps", "tokenize", "total", "engine"},
 }  # fmt: skip
 
 
