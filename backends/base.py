@@ -226,9 +226,10 @@ class Backend:
             timings["tokenize"] = tokenize_ms
             timings["total"] += tokenize_ms
             ids = r.token_ids
+            text = self.tokenizer.decode(ids)
             translations.append(
                 Translation(
-                    text=self.tokenizer.decode(ids),
+                    text=text,
                     token_ids=ids,
                     tokens=self.tokenizer.pieces(ids),
                     timings_ms=timings,
@@ -238,7 +239,10 @@ class Backend:
                     non_finite_steps=r.non_finite_steps,
                     repeated_run=r.repeated_run,
                     score=r.score,
-                    hypotheses=[Hypothesis(self.tokenizer.decode(h), h, score) for h, score in r.hypotheses],
+                    # The best hypothesis is the translation itself (greedy search's only one): its text
+                    # is not decoded twice (transformers' decode: ~0.1 ms a row, ~3 ms of a ~180 ms batch-32 int8 call).
+                    hypotheses=[Hypothesis(text if h == ids else self.tokenizer.decode(h), h, score)
+                                for h, score in r.hypotheses],
                 )
             )
         return translations

@@ -23,6 +23,14 @@ from .strategies import BeamSearchDecoder, GreedyDecoder, RowResult
 
 __all__ = ["RowResult", "decode", "forced_scores"]
 
+# Greedy search drops finished sentences from the engine once they are a quarter of the rows it
+# still computes (at least one). Each drop gathers every cache tensor into new buffers (~2 ms at
+# batch 32), more than a finished row costs for a few steps; on length-sorted batches, where rows
+# end a step or two apart, dropping at every finish made batch 32 slower than never dropping
+# (embedded model, A/B in one process: fp32 KV 104.8 vs 132.5 sentences/s; a quarter: 154.7;
+# int8 153.4 vs 194.6; a quarter: 198.3).
+_KEEP_FRACTION = 4
+
 
 def decode(
     model: StepModel,
@@ -78,7 +86,7 @@ def decode(
         if compact:
             alive = np.flatnonzero(~decoder.finished)
             current = np.arange(batch) if rows is None else rows
-            if len(alive) < len(current):
+            if len(current) - len(alive) >= max(1, len(current) // _KEEP_FRACTION):
                 model.keep(state, np.searchsorted(current, alive))
                 rows = alive
         engine += time.perf_counter() - t

@@ -719,6 +719,12 @@ def test_greedy_drops_finished_sentences_and_changes_no_number(embedded, name):
     lengths = sorted(len(t.token_ids) for t in full)
     assert lengths[0] < lengths[-1], lengths  # sentences end at different steps: something to drop
     assert dropped_rows[0] == len(texts) and dropped_rows[-1] < len(texts) and dropped_rows == sorted(dropped_rows, reverse=True)
+    # Rows are dropped in groups (a quarter of those computed, at least one), not at every finish:
+    # each drop copies every cache tensor.
+    from backends.decoding import _KEEP_FRACTION
+
+    drops = [(a, b) for a, b in zip(dropped_rows, dropped_rows[1:]) if b < a]
+    assert drops and all(a - b >= max(1, a // _KEEP_FRACTION) for a, b in drops), drops
     if name == "ort_int8":
         # Dynamic quantization scales each step's activations over all the rows it is given, so
         # int8's numbers depend on a sentence's batch neighbours anyway; fewer neighbours, other numbers.
