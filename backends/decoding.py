@@ -80,16 +80,19 @@ def decode(
             first_token = time.perf_counter()
         if done:
             break
-        t = time.perf_counter()
         if beam_idx is not None and not np.array_equal(beam_idx, np.arange(len(beam_idx))):
+            t = time.perf_counter()
             model.reorder(state, beam_idx)
+            engine += time.perf_counter() - t
         if compact:
             alive = np.flatnonzero(~decoder.finished)
             current = np.arange(batch) if rows is None else rows
             if len(current) - len(alive) >= max(1, len(current) // _KEEP_FRACTION):
-                model.keep(state, np.searchsorted(current, alive))
+                keep = np.searchsorted(current, alive)
+                t = time.perf_counter()
+                model.keep(state, keep)
+                engine += time.perf_counter() - t
                 rows = alive
-        engine += time.perf_counter() - t
     end = time.perf_counter()
 
     generated = decoder_ids.shape[1] - 1

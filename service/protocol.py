@@ -167,8 +167,8 @@ def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lamb
         ms, [out] = _timed(runtime, [s[i]], max_new, min_new)
         times.append(ms)
         per_token.append(ms / max(len(out.ids), 1))
-        if _engine_ms(runtime) is not None:
-            engine_per_token.append(_engine_ms(runtime) / max(len(out.ids), 1))
+        if (engine_ms := _engine_ms(runtime)) is not None:
+            engine_per_token.append(engine_ms / max(len(out.ids), 1))
         outputs.append(asdict(out))
     lat = percentiles(times)
     lat["ms_per_token_p50"] = float(np.percentile(per_token, 50))
