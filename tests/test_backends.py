@@ -158,6 +158,35 @@ def test_modified_graph_fails_its_checksum(tiny_export_dir, tmp_path):
     assert list(load_backends(copy, names=("ort_fp32_single_step",))) == ["ort_fp32_single_step"]
 
 
+@pytest.mark.parametrize("name", ["pytorch", "ort_fp32_kv_cache", "ort_int8"])
+@pytest.mark.parametrize("decode", [
+    {"num_beams": 1},
+    {"num_beams": 1, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 3},
+    {"num_beams": 3, "num_return_sequences": 2},
+])
+def test_output_scores_off_returns_the_same_tokens_without_scores(tiny_backends, name, decode):
+    """output_scores=False (token ids and text only, as the benchmark's peers return) decodes the
+    very same tokens, stops and non-finite reports; it only leaves the scores out."""
+    texts = ["Hi.", *dev_sentences(4), "Click OK to save the document and close the window when you are done."]
+    backend = tiny_backends[name]
+    full = backend.translate(texts, max_new_tokens=24, top_k=1, **decode)
+    bare = backend.translate(texts, max_new_tokens=24, top_k=1, output_scores=False, **decode)
+    for a, b in zip(full, bare):
+        assert (b.token_ids, b.text, b.stop_reason, b.non_finite_steps, b.repeated_run) == (
+            a.token_ids, a.text, a.stop_reason, a.non_finite_steps, a.repeated_run)
+        assert [h.token_ids for h in b.hypotheses] == [h.token_ids for h in a.hypotheses]
+        assert a.scores and len(a.scores) == len(a.token_ids) and a.score is not None
+        assert b.scores == [] and b.score is None and all(h.score is None for h in b.hypotheses)
+
+
+def test_output_scores_is_validated_and_never_silently_drops_alternatives():
+    with pytest.raises(ValueError, match=r"output_scores must be True or False, got 'no'"):
+        DecodeOptions(output_scores="no").resolved(511)
+    with pytest.raises(ValueError, match=r"top_k 5 asks for per-step alternatives .* pass top_k=1, or output_scores=True"):
+        DecodeOptions(output_scores=False).resolved(511)
+    assert DecodeOptions(top_k=1, output_scores=False).resolved(511).output_scores is False
+
+
 def test_decode_options_are_validated_with_the_valid_range():
     with pytest.raises(ValueError, match=r"max_new_tokens must be an integer in 1..511"):
         DecodeOptions(max_new_tokens=600).resolved(511)
@@ -180,13 +209,16 @@ def test_ort_backends_never_import_torch(tiny_export_dir):
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-@pytest.mark.parametrize("rows", [6, 40])  # below and above _BATCHED_ROWS: the per-row loop, the batched pass
-@pytest.mark.parametrize("kind", ["normal", "ties", "masked", "one_finite", "mixed", "nan"])
+_TOP_K_KINDS = ["normal", "ties", "masked", "one_finite", "mixed", "nan", "inf", "all_masked"]
+
+
+@pytest.mark.parametrize(
+    "kind,rows", [(kind, rows) for rows in (1, 6, 40) for kind in _TOP_K_KINDS if rows > 4 or kind != "mixed"]
+)  # "mixed" sets rows 0..4 apart
 def test_fast_top_k_equals_a_full_sort(kind, rows):
     """The decoding loop's blockwise top-k against the definition: a stable sort by (-value, id)."""
-    from backends.scoring import _BATCHED_ROWS, _BLOCK, _top_k, _top_k_reference
+    from backends.scoring import _BLOCK, _top_k, _top_k_reference
 
-    assert 6 < _BATCHED_ROWS <= 40
     rng = np.random.default_rng(7)
     for vocab in (65001, 15123, 4000):
         x = rng.standard_normal((rows, vocab)).astype(np.float32)
@@ -205,6 +237,10 @@ def test_fast_top_k_equals_a_full_sort(kind, rows):
         elif kind == "nan":  # a NaN next to the row's best entries
             x[:, 1] = np.nan
             x[::2, 1 + vocab // _BLOCK] = np.nanmax(x) + 1  # in the NaN's block
+        elif kind == "inf":  # +inf entries: two in one block, one elsewhere (fewer than k of them)
+            x[0, [3, 3 + vocab // _BLOCK, 100]] = np.inf
+        elif kind == "all_masked":  # every entry -inf: the k lowest ids
+            x[:] = -np.inf
         for k in (1, 5, 7):
             assert np.array_equal(_top_k(x, k), _top_k_reference(x, k)), (vocab, k)
 
@@ -224,16 +260,28 @@ def test_scoring_a_step_on_threads_equals_one_thread(batch):
     finished = np.zeros(batch, bool)
     finished[batch - 1] = True
     x[batch - 1, 3] = np.nan  # a finished row is reported but left alone
+    x[0] += 45.0  # a row too large for exp() unshifted (log_normalizer's other path)
     for mask_eos in (False, True):
-        one, many = x.copy(), x.copy()
-        a = score_step(one, finished, bad, mask_eos, eos, 5, threads=1)
-        b = score_step(many, finished, bad, mask_eos, eos, 5, threads=3)
-        for u, v in zip(a, b):
-            assert u.shape == v.shape and np.array_equal(u, v, equal_nan=True)
-        assert np.array_equal(one, many, equal_nan=True)  # the same masks written in place
-        assert a[0].tolist() == [i in (1, 2, batch - 1) for i in range(batch)]
-        assert a[2][1, 0] == eos and np.isneginf(one[1, 1:]).all()  # the NaN row ends at eos
-        assert (a[2][:, 0] != 65000).all() and (not mask_eos or (a[2][[0, 3], 0] != eos).all())
+        for scores in (True, False):
+            one, many = x.copy(), x.copy()
+            a = score_step(one, finished, bad, mask_eos, eos, 5, threads=1, scores=scores)
+            b = score_step(many, finished, bad, mask_eos, eos, 5, threads=3, scores=scores)
+            for u, v in zip(a, b):
+                assert (u is None) == (v is None) == (u is a[2] and not scores)
+                assert u is None or u.shape == v.shape and np.array_equal(u, v, equal_nan=True)
+            assert a[0].tolist() == [i in (1, 2, batch - 1) for i in range(batch)]
+            assert a[1][1, 0] == eos  # the NaN row ends at eos
+            assert (a[1][:, 0] != 65000).all() and (not mask_eos or (a[1][[0, 3], 0] != eos).all())
+            if scores:
+                assert a[2][1, 0] == 0.0 and np.isneginf(a[2][1, 1:]).all()  # eos alone: log-prob 0
+                # the log-probs against float64 log_softmax of the masked row
+                masked = x.astype(np.float64)
+                masked[:, bad] = -np.inf
+                if mask_eos:
+                    masked[:, eos] = -np.inf
+                for row in [r for r in (0, 3, 4) if r < batch - 1]:  # the last row: finished, NaN
+                    lp = masked[row] - np.logaddexp.reduce(masked[row])
+                    assert np.allclose(a[2][row], lp[a[1][row]], rtol=0, atol=2e-6), row
 
 
 def test_shared_tables_match_by_content_never_by_shape_alone():
