@@ -43,10 +43,12 @@ def run(export_dir: Path, input_path, out: Path, names: list[str] | None = None,
         names, skipped = default_backends(manifest)
     if REFERENCE not in names:
         names = [REFERENCE, *names]
-    clash = sorted({"max_new_tokens", "top_k"} & set(decode or {}))
+    clash = sorted({"max_new_tokens", "top_k", "output_scores"} & set(decode or {}))
     if clash:
-        raise ValueError(f"decoding option(s) {', '.join(clash)} are set by the command itself (--max-new-tokens)")
-    translate = {"max_new_tokens": max_new_tokens, "top_k": 1, **(decode or {})}
+        raise ValueError(f"decoding option(s) {', '.join(clash)} are set by the command itself (max_new_tokens: "
+                         "--max-new-tokens; top_k 1 and output_scores false: the tables hold ids and texts)")
+    # The corpus tables hold ids, texts and first divergences: no per-step scores to compute.
+    translate = {"max_new_tokens": max_new_tokens, "top_k": 1, "output_scores": False, **(decode or {})}
     env = environment(options.threads_per_worker)
     run = run_corpus(export_dir, input_path, out, names, REFERENCE, options, translate, limit=limit, log=log,
                      on_shard=on_shard, external=external)

@@ -20,7 +20,7 @@ def render_quality(results: dict) -> str:
     m, ref = results["model"], results["reference"]
     out = [f"# Quality: {Path(m['export']).name}", ""]
     source = results.get("input", {}).get("path") or results.get("tsv")
-    extra = {k: v for k, v in results.get("decode", {}).items() if k not in ("max_new_tokens", "top_k")}
+    extra = {k: v for k, v in results.get("decode", {}).items() if k not in ("max_new_tokens", "top_k", "output_scores")}
     out += [f"{results['sentences']:,} sentences from `{source}`, batch size {results['batch_size']} "
             f"(length-sorted), up to eos or {results['max_new_tokens']} tokens"
             + "".join(f", {k}={v}" for k, v in extra.items()) + f"; reference backend `{ref}`.", ""]

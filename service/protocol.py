@@ -40,9 +40,11 @@ class Runtime(Protocol):
 
 
 class BackendRuntime:
-    """Adapts one of our backends (`backends.Backend`) to the protocol. top_k=1: the fewest
-    per-step alternatives kept. `decode`: the search options; greedy unless given, because a
-    model's own generation config may ask for beams and a benchmark must know which search it timed."""
+    """Adapts one of our backends (`backends.Backend`) to the protocol: token ids and text, what
+    every peer returns (top_k=1, output_scores=False: no per-step log-probs, which generate() and
+    CTranslate2 do not compute unless asked either). `decode`: the search options; greedy unless
+    given, because a model's own generation config may ask for beams and a benchmark must know
+    which search it timed."""
 
     def __init__(self, backend, decode: dict | None = None):
         self.backend = backend
@@ -53,7 +55,8 @@ class BackendRuntime:
 
     def translate(self, texts, max_new_tokens, min_new_tokens):
         results = self.backend.translate(
-            texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1, **self.decode
+            texts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, top_k=1, output_scores=False,
+            **self.decode
         )
         self.engine_ms = results[0].timings_ms.get("engine") if results else None
         return [Output(t.token_ids, t.text) for t in results]
