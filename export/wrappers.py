@@ -144,6 +144,11 @@ class DecoderStepWithCache(_Stack):
         self._init_stack(decoder, family, model.config.pad_token_id)
         self.lm_head = model.lm_head
         bias = model.final_logits_bias.detach().clone() if family.logits_bias else None
+        # An all-zero bias (a buffer, never trained: our embedded model and random fixtures) adds
+        # nothing but a pass over (b, V) each step: 0.26 of 7.3 ms in ORT's profile of a batch-32
+        # step of the embedded model. x + 0 == x, so leaving it out keeps the logits exact.
+        if bias is not None and not bias.any():
+            bias = None
         self.register_buffer("final_logits_bias", bias, persistent=False)
         self.heads = model.config.decoder_attention_heads
         self.num_layers = len(decoder.layers)

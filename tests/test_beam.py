@@ -183,6 +183,20 @@ def test_our_copy_of_generate_defaults_is_the_installed_transformers_one():
     assert GENERATE_DEFAULTS == GenerationConfig._get_default_generation_params()
 
 
+def test_the_output_layer_bias_is_kept_only_where_it_adds_something(tiny_export_dir, peaked_export_dir):
+    """An all-zero final_logits_bias (the tiny fixture's) is left out of the KV decoder, a pass over
+    (b, V) saved each step; the peaked fixture's random one stays (its beam tests against
+    generate() depend on it)."""
+    import onnx
+
+    def bias_adds(export_dir):
+        graph = onnx.load(str(load_manifest(export_dir).graph_path("decoder"))).graph
+        return [n.name for n in graph.node if n.op_type == "Add" and "final_logits_bias" in n.input]
+
+    assert bias_adds(tiny_export_dir) == []
+    assert len(bias_adds(peaked_export_dir)) == 1
+
+
 def test_the_sidecar_records_the_generation_config(tiny_export_dir, peaked_export_dir, peaked_model_dir):
     tiny = load_manifest(tiny_export_dir)
     assert tiny.data["format_version"] == 3
