@@ -35,7 +35,8 @@ WHAT_IS_TIMED = (
     "decoder step, the runtime's search loop and detokenization. Excluded: process start, imports and "
     "model loading (reported separately as load time, which for our backends includes the sha256 check "
     "of the graph files), and the warm-up calls (the first few single sentences and one batch per batch "
-    "size). {search} Each runtime runs alone in its own process; peak RSS is that "
+    "size). {search} Our backends return token ids and text, as every peer does (top_k=1, "
+    "output_scores=False: no per-step log-probs). Each runtime runs alone in its own process; peak RSS is that "
     "process's maximum resident memory over the whole run (load, warm-up, batch 1 and the largest batch), "
     "so it includes the Python interpreter and the runtime library."
 )

@@ -28,7 +28,7 @@ FULL_COMMAND = "python -m bench speed"  # the full benchmark, named wherever the
 QUICK_WHAT_IS_TIMED = (
     "Wall-clock time of one translate call per batch (time.perf_counter): tokenization, encoder, every "
     "decoder step, the runtime's search loop and detokenization. Excluded: model loading (the app loaded "
-    "the backends when it started) and the warm-up calls (one single sentence and one batch). Greedy search (num_beams 1), whatever the model's own generation config. "
+    "the backends when it started) and the warm-up calls (one single sentence and one batch). Greedy search (num_beams 1), whatever the model's own generation config; token ids and text only (top_k=1, output_scores=False). "
     "Quick run: all backends share the app's process, one after the other, while no translation runs; load "
     "time, peak memory, size on disk and the output-length sweep are not measured (`python -m bench speed` "
     "measures them, each runtime alone in its own process)."
