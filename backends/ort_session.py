@@ -47,19 +47,25 @@ class SessionConfig:
         return self.threads or physical_cores()
 
 
-def create_session(
-    path: Path | bytes, config: SessionConfig, memory_arena: bool = True, tables=None
-) -> "ort.InferenceSession":
-    """`path`: a graph file, or a serialized graph (bytes).
+# ORT's fusion of a residual Add and the LayerNormalization after it into one
+# SkipLayerNormalization kernel is slower on the CPU than the two ops it replaces (ORT 1.32, 2
+# threads, each graph's sessions alternated in one process; results differ by <= 2e-6): the
+# embedded model's int8 encoder at batch 32 x 30 tokens 27.4 -> 21.7 ms, fp32 53.4 -> 48.6, its
+# int8 decoder step at batch 32 3.50 -> 3.30 ms; the opus-sized int8 encoder at batch 32 102 -> 82
+# ms; batch-1 steps unchanged (1.19 / 1.19 ms). The other fusions ORT makes at this level were each
+# as fast or faster on than off.
+CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
-    `tables`: a `shared_tables.SharedTables`; the graph's large lookup tables then use its copies."""
+
+def disabled_optimizers(config: SessionConfig) -> list[str]:
+    """The ORT graph optimizers every session of ours turns off for `config`'s provider."""
+    return [] if "CUDAExecutionProvider" in config.providers() else list(CPU_DISABLED_OPTIMIZERS)
+
+
+def session_options(config: SessionConfig, memory_arena: bool = True) -> "ort.SessionOptions":
+    """The settings of every backend session (and of `service.locate`'s, which must compute the
+    same numbers)."""
     options = ort.SessionOptions()
-    shared = []
-    if tables is not None:
-        for name, array in tables.for_graph(path).items():
-            value = ort.OrtValue.ortvalue_from_numpy(array)  # a view; the OrtValue keeps `array` alive
-            options.add_initializer(name, value)
-            shared.append(value)
     # The arena keeps every block it ever grew to; off where tensor sizes grow with each call.
     options.enable_cpu_mem_arena = memory_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -72,8 +78,26 @@ def create_session(
     # 6.4 ms on 1 thread, 6.7-7.4 ms on 2 with spinning, 4.2-4.7 ms on 2 without. Batch-1 step
     # times did not move measurably either way.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def create_session(
+    path: Path | bytes, config: SessionConfig, memory_arena: bool = True, tables=None
+) -> "ort.InferenceSession":
+    """`path`: a graph file, or a serialized graph (bytes).
+
+    `tables`: a `shared_tables.SharedTables`; the graph's large lookup tables then use its copies."""
+    options = session_options(config, memory_arena)
+    shared = []
+    if tables is not None:
+        for name, array in tables.for_graph(path).items():
+            value = ort.OrtValue.ortvalue_from_numpy(array)  # a view; the OrtValue keeps `array` alive
+            options.add_initializer(name, value)
+            shared.append(value)
     graph = path if isinstance(path, bytes) else str(path)
-    session = ort.InferenceSession(graph, sess_options=options, providers=config.providers())
+    session = ort.InferenceSession(
+        graph, sess_options=options, providers=config.providers(), disabled_optimizers=disabled_optimizers(config)
+    )
     session._shared_initializers = shared  # must outlive the session (ORT does not own them)
     return session
 

@@ -127,18 +127,17 @@ def _session(path: Path, config: SessionConfig, *, optimize: bool = True, save_o
     `optimize=False`, one that runs a graph exactly as given (ORT's own saved graph)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
-    options.intra_op_num_threads = config.resolved_threads()
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.enable_cpu_mem_arena = False
+    from backends.ort_session import disabled_optimizers, session_options
+
+    options = session_options(config, memory_arena=False)
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3  # saving an ENABLE_ALL graph warns that it is for this machine only
     if save_optimized is not None:
         options.optimized_model_filepath = str(save_optimized)
-    return ort.InferenceSession(str(path), sess_options=options, providers=config.providers())
+    return ort.InferenceSession(
+        str(path), sess_options=options, providers=config.providers(), disabled_optimizers=disabled_optimizers(config)
+    )
 
 
 @dataclass

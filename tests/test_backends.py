@@ -94,6 +94,15 @@ def test_input_over_the_position_limit_is_refused_not_truncated(tiny_backends):
             backend.translate([text])
 
 
+def test_a_batch_is_tokenized_as_each_text_alone(tiny_backends):
+    wrapper = tiny_backends["ort_int8"].tokenizer
+    texts = dev_sentences(40) + ["Mixed 中文 and English 🙂", "...!?", "tab\there\x07bell", "A"]
+    batch = wrapper.encode(texts, 512)
+    for row, mask, length, text in zip(batch.input_ids.tolist(), batch.attention_mask.tolist(), batch.lengths, texts):
+        assert row[:length] == wrapper._tok(text).input_ids, text
+        assert mask == [1] * length + [0] * (len(row) - length) and set(row[length:]) <= {wrapper.pad_id}
+
+
 @pytest.mark.parametrize("text", ["", "   ", "\n\t "])
 def test_empty_or_whitespace_input_is_a_clear_error(tiny_backends, text):
     for backend in tiny_backends.values():
@@ -365,6 +374,46 @@ def test_single_step_session_runs_without_an_arena_and_the_heap_can_be_trimmed(t
     kv = tiny_backends["ort_fp32_kv_cache"].model.decoder
     assert kv.get_session_options().enable_cpu_mem_arena is True
     assert trim_heap() is True  # glibc here: the app gives free heap back after each request
+
+
+def test_sessions_leave_the_residual_add_and_layer_norm_unfused_on_the_cpu(tiny_export_dir, tmp_path, monkeypatch):
+    """ORT's SkipLayerNormalization kernel is slower on the CPU than Add + LayerNormalization
+    (backends/ort_session.py): our sessions turn that fusion off, and only that one."""
+    import onnx
+    import onnxruntime as ort
+
+    from backends.ort_session import disabled_optimizers, session_options
+
+    config = SessionConfig(threads=2, provider="cpu")
+    assert disabled_optimizers(config) == ["SkipLayerNormFusion"]
+    graph = tiny_export_dir / "encoder.onnx"
+    feeds = {"input_ids": np.array([[5, 6, 7, 0]], np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    ops, outputs = {}, {}
+    for label, disabled in (("ours", disabled_optimizers(config)), ("fused", [])):
+        options = session_options(config)
+        options.optimized_model_filepath = str(tmp_path / f"{label}.onnx")
+        options.log_severity_level = 3
+        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
+        outputs[label] = session.run(None, feeds)
+        ops[label] = {n.op_type for n in onnx.load(str(tmp_path / f"{label}.onnx")).graph.node}
+    assert "SkipLayerNormalization" in ops["fused"]  # the pattern is there to fuse
+    assert "SkipLayerNormalization" not in ops["ours"] and "LayerNormalization" in ops["ours"]
+    assert ops["ours"] - {"LayerNormalization", "Add"} <= ops["fused"]  # nothing else changed
+    for a, b in zip(outputs["ours"], outputs["fused"]):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    # Every backend session is made with that setting.
+    from backends import ort_session
+
+    seen, make = [], ort.InferenceSession
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("disabled_optimizers"))
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(ort_session.ort, "InferenceSession", recording)
+    backend = load_backends(tiny_export_dir, ("ort_int8",), config)["ort_int8"]
+    assert backend.translate(["A test."], max_new_tokens=3)[0].token_ids
+    assert len(seen) >= 2 and all(d == ["SkipLayerNormFusion"] for d in seen), seen
 
 
 _ARENA_PROBE = """

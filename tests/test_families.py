@@ -165,6 +165,11 @@ def test_the_sidecar_records_family_tokenizer_languages_and_forced_bos(family_ex
     # the source starts with its language code, ends with eos
     ids = family_backends["ort_fp32_kv_cache"].tokenizer.encode(["Hello world."], 64).input_ids[0].tolist()
     assert ids[0] == tok.convert_tokens_to_ids(src) and ids[-1] == 2
+    # A batch is tokenized in one call: each row as the text alone would be
+    texts = ["Hello world.", "Mixed 中文 and English 🙂", "!!!", "A much longer sentence, with commas; and more."]
+    batch = family_backends["ort_fp32_kv_cache"].tokenizer.encode(texts, 64)
+    for row, length, text in zip(batch.input_ids.tolist(), batch.lengths, texts):
+        assert row[:length] == tok(text).input_ids and set(row[length:]) <= {m.special.pad}, text
 
 
 # --- every fp32 backend against generate() ---------------------------------------------------------
