@@ -35,9 +35,9 @@ most fp16 ops in fp32 and drop the casts between them), so such a copy's fp16 lo
 half the backend's own drift. So the values are read from ORT's own optimized graph (saved by a
 session made as the backend's), with the outputs added and no further optimization: the
 backend's very numbers (its logits match to 0). A value ORT computes in fp32 is found under its
-`InsertedPrecisionFreeCast_` name. A module output ORT fused into a larger kernel (an output
-projection's or fc2's bias with the residual into SkipLayerNormalization) exists only in a copy
-of the exported graph: read from there, marked `"read_from": "exported"`, and that copy's
+`InsertedPrecisionFreeCast_` name. A module output ORT fused into a larger kernel (with CUDA, an
+output projection's or fc2's bias with the residual into SkipLayerNormalization; our CPU sessions
+leave that fusion off, backends/ort_session.py) exists only in a copy of the exported graph: read from there, marked `"read_from": "exported"`, and that copy's
 logits difference is reported too (`reading_max_abs_dlogit`). Each row lists the op types of
 the exported graph since the previous module, and of ORT's graph (`ort_op_types`: FusedMatMul,
 QuickGelu, SkipLayerNormalization, the Casts it inserted) where it was read there.
@@ -154,7 +154,7 @@ def _readings(g: _Graph, config: SessionConfig, tmp: Path) -> tuple[Any, list[_R
 
     First ORT's own optimized graph (saved by the production session), with the outputs added
     and no further optimization: exactly the numbers the backend computes. A module output ORT
-    fused into a larger kernel (an output projection's bias and the residual into
+    fused into a larger kernel (with CUDA, an output projection's bias and the residual into
     SkipLayerNormalization) no longer exists there; those are read from a copy of the exported
     graph with them added as outputs, which ORT then optimizes around them."""
     import onnx
