@@ -37,10 +37,11 @@ session made as the backend's), with the outputs added and no further optimizati
 backend's very numbers (its logits match to 0). A value ORT computes in fp32 is found under its
 `InsertedPrecisionFreeCast_` name. A module output ORT fused into a larger kernel (with CUDA, an
 output projection's or fc2's bias with the residual into SkipLayerNormalization; our CPU sessions
-leave that fusion off, backends/ort_session.py) exists only in a copy of the exported graph: read from there, marked `"read_from": "exported"`, and that copy's
-logits difference is reported too (`reading_max_abs_dlogit`). Each row lists the op types of
-the exported graph since the previous module, and of ORT's graph (`ort_op_types`: FusedMatMul,
-QuickGelu, SkipLayerNormalization, the Casts it inserted) where it was read there.
+leave that fusion off, backends/ort_session.py) exists only in a copy of the exported graph: read
+from there, marked `"read_from": "exported"`, and that copy's logits difference is reported too
+(`reading_max_abs_dlogit`). Each row lists the op types of the exported graph since the previous
+module, and of ORT's graph (`ort_op_types`: FusedMatMul, QuickGelu, SkipLayerNormalization with
+CUDA, the Casts it inserted) where it was read there.
 
 Tolerance. fp32: a module is over when its max |Δ| exceeds 1e-4 (the export's own logits
 criterion). fp16 / int8: every module is off by the precision's rounding, so "over 1e-4" says
