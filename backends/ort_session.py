@@ -82,6 +82,13 @@ def session_options(config: SessionConfig, memory_arena: bool = True) -> "ort.Se
     return options
 
 
+def open_session(graph: str | bytes, options: "ort.SessionOptions", config: SessionConfig) -> "ort.InferenceSession":
+    """Every ORT session of ours is opened here: `config`'s providers, our disabled optimizers."""
+    return ort.InferenceSession(
+        graph, sess_options=options, providers=config.providers(), disabled_optimizers=disabled_optimizers(config)
+    )
+
+
 def create_session(
     path: Path | bytes, config: SessionConfig, memory_arena: bool = True, tables=None
 ) -> "ort.InferenceSession":
@@ -96,9 +103,7 @@ def create_session(
             options.add_initializer(name, value)
             shared.append(value)
     graph = path if isinstance(path, bytes) else str(path)
-    session = ort.InferenceSession(
-        graph, sess_options=options, providers=config.providers(), disabled_optimizers=disabled_optimizers(config)
-    )
+    session = open_session(graph, options, config)
     session._shared_initializers = shared  # must outlive the session (ORT does not own them)
     return session
 

@@ -128,7 +128,7 @@ def _session(path: Path, config: SessionConfig, *, optimize: bool = True, save_o
     `optimize=False`, one that runs a graph exactly as given (ORT's own saved graph)."""
     import onnxruntime as ort
 
-    from backends.ort_session import disabled_optimizers, session_options
+    from backends.ort_session import open_session, session_options
 
     options = session_options(config, memory_arena=False)
     if not optimize:
@@ -136,9 +136,7 @@ def _session(path: Path, config: SessionConfig, *, optimize: bool = True, save_o
     options.log_severity_level = 3  # saving an ENABLE_ALL graph warns that it is for this machine only
     if save_optimized is not None:
         options.optimized_model_filepath = str(save_optimized)
-    return ort.InferenceSession(
-        str(path), sess_options=options, providers=config.providers(), disabled_optimizers=disabled_optimizers(config)
-    )
+    return open_session(str(path), options, config)
 
 
 @dataclass
