@@ -36,22 +36,24 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 
 # The README's tables: the embedded model, then the opus-mt-sized random fixture with peers.
 # Speed runs leave out ort_fp32_single_step (the naive baseline: minutes per round at batch 32;
-# `python -m bench speed` without --backends times it). Medians of 3 rounds, run round-robin.
+# `python -m bench speed` without --backends times it). Medians of 3 rounds, run round-robin; then
+# each target against a peer again as back-to-back pairs of processes (--paired-rounds), which decide it.
 SPEED_BACKENDS := pytorch,ort_fp32_kv_cache,ort_fp16,ort_int8
 bench: setup bench-venv
-	$(PY) -m bench speed --peers --rounds 3 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --out bench-results/embedded
-	$(PY) -m bench speed --peers --num-beams 4 --quick --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --out bench-results/embedded-beam4
+	$(PY) -m bench speed --peers --rounds 3 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --paired-rounds 10 --out bench-results/embedded
+	$(PY) -m bench speed --peers --num-beams 4 --quick --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --paired-rounds 6 --out bench-results/embedded-beam4
 	$(PY) -m bench quality --out bench-results/embedded-quality
 
 runs/fixtures/opus-mt-random/config.json: | setup
 	$(PY) -m export.fixtures opus-mt-random --out runs/fixtures/opus-mt-random --force
 
 # At opus-mt size every runtime costs minutes a round: the peers that set the targets (generate(),
-# CTranslate2), no length sweep (`python -m bench speed --model ... --peers` runs everything).
+# CTranslate2), no length sweep (`python -m bench speed --model ... --peers` runs everything). The beam
+# targets are paired; the batch-32 targets are the embedded model's (make bench), so not paired here.
 OPUS_PEERS := transformers,ct2_float32,ct2_int8
 bench-opus: setup bench-venv runs/fixtures/opus-mt-random/config.json
 	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --batch-sizes 32 --throughput-sentences 32 --sweep '' --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --out bench-results/opus-mt-random
-	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --num-beams 4 --batch-sizes 4 --throughput-sentences 8 --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --out bench-results/opus-mt-random-beam4
+	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --num-beams 4 --batch-sizes 4 --throughput-sentences 8 --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --paired-rounds 5 --out bench-results/opus-mt-random-beam4
 
 clean:
 	rm -rf exports runs test-artifacts .pytest_cache

@@ -75,6 +75,8 @@ def speed(args) -> int:
             raise ValueError("--length-penalty and --early-stopping apply to beam search only: add --num-beams N (N > 1)"
                              + (" (the export's generation config has num_beams 1)" if args.num_beams == "model" else ""))
 
+    if args.paired_rounds and not args.peers:
+        raise ValueError("--paired-rounds pairs our runtimes with peers (CTranslate2, generate()): add --peers")
     if args.num_beams != "model":
         check(args.num_beams)
     pairs = sentences_arg(args.sentences)
@@ -86,7 +88,7 @@ def speed(args) -> int:
     check(decoding["num_beams"])
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
                   warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor,
-                  rounds=args.rounds)
+                  rounds=args.rounds, paired_rounds=args.paired_rounds)
     if args.quick:
         fields.update(speed_mod.QUICK)
     for name in ("latency_sentences", "throughput_sentences", "sweep_sentences"):
@@ -108,7 +110,7 @@ def speed(args) -> int:
                             length_penalty=args.length_penalty, early_stopping=args.early_stopping,
                             external=external)
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {out / p}" for p in results.get("plots", [])))
-    return 1 if results["failed"] else 0
+    return 1 if results["failed"] or any("error" in p for p in results.get("paired", {}).values()) else 0
 
 
 def _decode_option(value: str) -> tuple[str, object]:
@@ -235,6 +237,9 @@ def main(argv=None) -> int:
     sp.add_argument("--no-floor", action="store_true", help="skip the memory-bandwidth floor (1 GB, a few seconds)")
     sp.add_argument("--rounds", type=int, default=1, help="run every runtime N times, round-robin, and report the "
                     "medians: ratios that survive this machine's drift")
+    sp.add_argument("--paired-rounds", type=int, default=0, metavar="N",
+                    help="then time each target between one of our runtimes and a peer as N back-to-back pairs of "
+                         "processes, first alternating; the median pair decides the target (default 0: round-robin only)")
     sp.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
                     help="also time an Optimum-layout ONNX export of the same model as backend NAME, in its own process like ours (repeatable; DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)")
     sp.add_argument("--out", type=Path)

@@ -21,8 +21,10 @@ import numpy as np
 from backends import REFERENCE
 from corpus import Pair
 from service.environment import environment
+from service.protocol import Spec
 from service.reports import failure_line, write
-from service.speedrun import SpeedOptions, add_comparisons, decoding_sentence, make_spec, model_info, sentence_info
+from service.speedrun import (SpeedOptions, add_comparisons, decoding_sentence, make_spec, model_info,
+                               paired_figure, paired_spec, sentence_info, summarize_pairs, target_pairs)
 
 from . import floor as floor_mod, peers as peers_mod
 from .data import REPO, default_backends
@@ -249,6 +251,18 @@ def run(
         for name, r in runtimes.items():
             _log_result(f"{name} (median of {len(per_round[name])})", r, log)
 
+    paired = {}
+    if options.paired_rounds:
+        paired_path = out_dir / "spec-paired.json"
+        paired_spec(Spec.load(spec_nosweep_path), decoding).save(paired_path)
+        commands = {name: cmd for name, cmd, _, _ in jobs}
+        for ours, peer in target_pairs(decoding):
+            if ours in runtimes and peer in runtimes:
+                paired["/".join((ours, peer))] = _paired_check(
+                    ours, peer, commands, paired_path, decoding, options, out_dir, log)
+        if not paired:
+            log("paired check: no target had both of its runtimes in this run; nothing paired")
+
     env["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     if options.floor:
         log("memory-bandwidth floor: measuring read bandwidth ...")
@@ -271,6 +285,8 @@ def run(
         "not_run": skipped,
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if paired:
+        results["paired"] = paired
     if sweep_skipped:
         results["sweep_skipped"] = sweep_skipped
     if external:
@@ -278,6 +294,32 @@ def run(
     add_comparisons(results, [p.zh for p in pairs])
     write(results, out_dir)
     return results
+
+
+def _paired_check(ours: str, peer: str, commands: dict[str, list[str]], spec_path: Path, decoding: dict,
+                  options: SpeedOptions, out_dir: Path, log) -> dict:
+    """`options.paired_rounds` pairs of fresh processes, `ours` and `peer` back to back over the
+    work in `spec_path`, the first of each pair alternating; see SpeedOptions.paired_rounds."""
+    big = str(options.batch_sizes[-1])
+    pairs = []
+    for k in range(options.paired_rounds):
+        order = (ours, peer) if k % 2 == 0 else (peer, ours)
+        figures = {"first": order[0]}
+        for name in order:
+            tag = f"paired.{ours}-{peer}.{k + 1}.{name}"
+            out_json = out_dir / "logs" / f"{tag}.json"
+            r = _run_subprocess([*commands[name], "--spec", str(spec_path), "--out", str(out_json)], out_json,
+                                out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
+            if "error" in r:
+                log(f"paired check {ours}/{peer}: {name} FAILED in pair {k + 1}: {failure_line(r['error'])}")
+                return {"ours": ours, "peer": peer, "error": f"{name} in pair {k + 1}: {r['error']}", "pairs": pairs}
+            figures[name] = paired_figure(r, decoding, big)
+        pairs.append(figures)
+    summary = summarize_pairs(ours, peer, pairs, decoding, big)
+    log(f"paired check {ours}/{peer} ({summary['figure']}): median pair {summary['median_ratio']:.2f}x, "
+        f"ours ahead in {summary['ours_ahead']} of {summary['n']} "
+        f"(each pair: {', '.join(format(p['ratio'], '.2f') for p in summary['pairs'])})")
+    return summary
 
 
 def _has_ct2(names) -> bool:

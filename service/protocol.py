@@ -151,19 +151,10 @@ def _timed(runtime: Runtime, texts: list[str], max_new: int, min_new: int) -> tu
     return elapsed, outputs
 
 
-def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lambda msg: None) -> dict:
-    """Warm up, then batch-1 latency, batched throughput and the length sweep; returns plain data."""
+def _latency(runtime: Runtime, spec: Spec, max_new: int, min_new: int, progress) -> dict:
+    """Batch-1 latency: one call per sentence of `spec.latency_idx`, in order."""
     s = spec.sentences
-    max_new, min_new = _lengths(spec.forced_tokens, spec.max_new_tokens)
     result: dict = {}
-
-    progress(f"warm-up: {spec.warmup} single sentences and one batch per batch size")
-    for i in spec.latency_idx[: spec.warmup]:
-        _timed(runtime, [s[i]], max_new, min_new)
-    for b in spec.batch_sizes:
-        _timed(runtime, [s[i] for i in spec.throughput_idx[:b]], max_new, min_new)
-    result["rss_after_warmup_mb"] = rss_mb()
-
     progress(f"batch-1 latency over {len(spec.latency_idx)} sentences")
     times, per_token, engine_per_token, outputs = [], [], [], []
     for i in spec.latency_idx:
@@ -183,6 +174,27 @@ def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lamb
     lat["hit_cap"] = 0 if spec.forced_tokens else sum(len(o["ids"]) >= max_new for o in outputs)
     result["latency"] = lat
     result["outputs"] = outputs  # batch-1 outputs of latency_idx, for agreement and BLEU
+    return result
+
+
+def measure(runtime: Runtime, spec: Spec, progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """Warm up, then batch-1 latency, batched throughput and the length sweep; returns plain data.
+
+    A spec without latency sentences (or batch sizes) skips that part: the paired target checks
+    (`speedrun.paired_spec`) time only the figure their target compares."""
+    s = spec.sentences
+    max_new, min_new = _lengths(spec.forced_tokens, spec.max_new_tokens)
+    result: dict = {}
+
+    progress(f"warm-up: {spec.warmup} single sentences and one batch per batch size")
+    for i in spec.latency_idx[: spec.warmup]:
+        _timed(runtime, [s[i]], max_new, min_new)
+    for b in spec.batch_sizes:
+        _timed(runtime, [s[i] for i in spec.throughput_idx[:b]], max_new, min_new)
+    result["rss_after_warmup_mb"] = rss_mb()
+
+    if spec.latency_idx:
+        result.update(_latency(runtime, spec, max_new, min_new, progress))
 
     result["throughput"] = {}
     for b in spec.batch_sizes:

@@ -157,6 +157,21 @@ def render_speed(results: dict) -> str:
                 "|---|---|---|"]
         for t in results["targets"]:
             out.append(f"| {t['target']} | {t['measured']} | {({True: 'yes', False: 'no', None: '–'})[t['held']]} |")
+    if results.get("paired"):
+        out += ["", "## Paired target checks", "",
+                "Each pair: the two runtimes' processes back to back over the same work (load and warm-up untimed), "
+                "which one goes first alternating; the ratio is ours / peer within the pair. A target between two "
+                "runtimes is decided by its median pair: round-robin slots put minutes of other runtimes between "
+                "the two sides of a ratio.", "",
+                "| ours / peer | figure | each pair's ratio (who went first) | median | ours ahead |", "|---|---|---|---:|---:|"]
+        for key, p in results["paired"].items():
+            each = ", ".join(f"{q['ratio']:.2f} ({'ours' if q['first'] == p['ours'] else 'peer'})"
+                             for q in p.get("pairs", []) if "ratio" in q)
+            if "error" in p:
+                out.append(f"| `{key}` | – | {each or '–'} | failed: {failure_line(p['error'])} | – |")
+            else:
+                out.append(f"| `{key}` | {p['figure']} | {each} | {p['median_ratio']:.2f}x | "
+                           f"{p['ours_ahead']} of {p['n']} |")
     sweep = {n: r["sweep"] for n, r in runtimes.items() if r.get("sweep")}
     if sweep:
         lengths = sorted({int(k) for sw in sweep.values() for k in sw})

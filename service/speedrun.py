@@ -10,6 +10,7 @@ issue's `targets`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +42,20 @@ class SpeedOptions:
     # medians are reported. This machine's speed drifts by up to 2x over minutes (a shared host
     # with a 300 MiB L3), so one slot per runtime can put a whole ratio on a slow minute.
     rounds: int = 1
+    # Then each target that sets one of our runtimes against a peer is measured again as this many
+    # pairs: the two runtimes' processes back to back over the same work, which one goes first
+    # alternating, the ratio taken within each pair; the target's verdict is the median pair's.
+    # Round-robin slots put minutes (the other runtimes) between the two sides of a ratio, and on
+    # this host that drift decided batch-32 verdicts both ways (bench/README.md).
+    paired_rounds: int = 0
 
     def __post_init__(self):
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if not isinstance(self.rounds, int) or self.rounds < 1:
             raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        if not isinstance(self.paired_rounds, int) or self.paired_rounds < 0:
+            raise ValueError(f"paired_rounds must be 0 (no paired check) or a positive integer, got {self.paired_rounds!r}")
         if self.forced_tokens is not None and not 1 <= self.forced_tokens <= 511:
             raise ValueError(f"forced_tokens must be in 1..511, got {self.forced_tokens}")
         if any(b < 1 for b in self.batch_sizes):
@@ -128,6 +137,52 @@ def sentence_info(pairs: list[Pair], lengths: list[int], spec: Spec) -> dict:
     }
 
 
+KV, I8 = "ort_fp32_kv_cache", "ort_int8"
+# The batch-1 latency of a beam-search pair is timed over this many sentences (the round-robin
+# uses all of the run's): at opus-mt size a generate(num_beams=4) call takes about a second.
+PAIRED_LATENCY_SENTENCES = 10
+
+
+def target_pairs(decoding: dict) -> list[tuple[str, str]]:
+    """(ours, peer) of each target that compares two runtimes (see `targets`), for the paired check."""
+    if int(decoding.get("num_beams", 1)) == 1:
+        return [(KV, "ct2_float32"), (I8, "ct2_int8")]  # throughput at the largest batch
+    return [(KV, "transformers"), (KV, "ct2_float32"), (I8, "ct2_int8")]  # batch-1 p50
+
+
+def paired_spec(spec: Spec, decoding: dict) -> Spec:
+    """The work of one side of a pair: only the figure its target compares. Greedy: throughput at
+    the largest batch size over the run's throughput sentences; beam: batch-1 latency over the first
+    PAIRED_LATENCY_SENTENCES of the run's latency sentences. Same sentences, lengths and threads."""
+    greedy = int(decoding.get("num_beams", 1)) == 1
+    lat = [] if greedy else spec.latency_idx[:PAIRED_LATENCY_SENTENCES]
+    return dataclasses.replace(spec, latency_idx=lat, batch_sizes=spec.batch_sizes[-1:] if greedy else [],
+                               sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(lat)))
+
+
+def paired_figure(result: dict, decoding: dict, big: str) -> float:
+    """What a paired run's target compares: batch-`big` sentences/s (greedy) or batch-1 p50 ms (beam)."""
+    if int(decoding.get("num_beams", 1)) == 1:
+        return result["throughput"][big]["sentences_per_s"]
+    return result["latency"]["p50"]
+
+
+def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big: str) -> dict:
+    """`pairs`: [{"first": name, ours: figure, peer: figure}, ...] -> each pair's ratio (ours / peer),
+    the median ratio, and in how many pairs ours was ahead."""
+    greedy = int(decoding.get("num_beams", 1)) == 1
+    ratios = [p[ours] / p[peer] for p in pairs]
+    ahead = sum(r >= 1.0 if greedy else r <= 1.0 for r in ratios)
+    return {
+        "ours": ours, "peer": peer,
+        "figure": f"batch-{big} sentences/s" if greedy else "batch-1 p50 ms",
+        "pairs": [{**p, "ratio": r} for p, r in zip(pairs, ratios)],
+        "median_ratio": float(np.median(ratios)),
+        "ours_ahead": ahead,
+        "n": len(ratios),
+    }
+
+
 def add_comparisons(results: dict, references: list[str | None]) -> None:
     """Agreement with the reference runtime, ratios to it, and BLEU/chrF when quality is meaningful."""
     runtimes = results["runtimes"]
@@ -205,7 +260,8 @@ def claims(results: dict) -> list[dict]:
 # lengths, batch-1 ms per token against the memory-bandwidth floor; beam runs check batch-1
 # latency against generate(num_beams=N) and CTranslate2's beam_size=N. Each of our figures comes
 # with the engine's alone (the graphs, the decoding loop's own work excluded), so a target that
-# does not hold says whether a faster loop could reach it.
+# does not hold says whether a faster loop could reach it. A target between two runtimes is
+# decided by the run's paired check when it has one (`results["paired"]`, SpeedOptions.paired_rounds).
 def targets(results: dict) -> list[dict]:
     rt, big = results["runtimes"], str(results["options"]["batch_sizes"][-1])
     floor = results["environment"].get("floor", {}).get("graphs", {})
@@ -224,15 +280,29 @@ def targets(results: dict) -> list[dict]:
         return t["sentences"] / t["engine_seconds"] if t.get("engine_seconds") else None
 
     out = []
+    paired = results.get("paired", {})
 
-    def check(text, value, limit, higher_is_better, fmt):
+    def check(text, value, limit, higher_is_better, fmt, pair=None):
+        """pair: (ours, peer) when the target compares two runtimes: with a paired check in this run
+        its median pair decides, and the round-robin ratio is shown beside it."""
+        p = paired.get("/".join(pair)) if pair else None
+        if p and "median_ratio" in p:
+            rr = fmt(value, limit) if value is not None else "not measured"
+            held = p["median_ratio"] >= limit if higher_is_better else p["median_ratio"] <= limit
+            out.append({"target": text, "value": p["median_ratio"], "limit": limit, "held": held,
+                        "round_robin_value": value, "decided_by": "paired",
+                        "measured": f"{p['median_ratio']:.2f}x in the median of {p['n']} back-to-back pairs "
+                                    f"(ours ahead in {p['ours_ahead']}); round-robin medians: {rr}"})
+            return
         if value is None or limit is None:
             out.append({"target": text, "held": None, "measured": "not measured (a runtime it needs did not run)"})
             return
         held = value >= limit if higher_is_better else value <= limit
-        out.append({"target": text, "value": value, "limit": limit, "held": held, "measured": fmt(value, limit)})
+        measured = fmt(value, limit) + (f"; the paired check failed: {p['error']}" if p and "error" in p else "")
+        out.append({"target": text, "value": value, "limit": limit, "held": held, "measured": measured,
+                    "decided_by": "round-robin"})
 
-    kv, i8 = "ort_fp32_kv_cache", "ort_int8"
+    kv, i8 = KV, I8
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     if beams == 1:
         for ours, peer, label in ((kv, "ct2_float32", "CTranslate2 float32"), (i8, "ct2_int8", "CTranslate2 int8")):
@@ -240,7 +310,8 @@ def targets(results: dict) -> list[dict]:
                 text = f"{v:.2f}x {label}'s sentences/s ({thr(ours):.1f} vs {thr(peer):.1f})"
                 g = engine_thr(ours)
                 return text + (f"; the ORT graphs alone: {g:.1f} sentences/s = {g / thr(peer):.2f}x" if g else "")
-            check(f"{ours}, batch {big}: at least {label}'s throughput", ratio(thr(ours), thr(peer)), 1.0, True, fmt)
+            check(f"{ours}, batch {big}: at least {label}'s throughput", ratio(thr(ours), thr(peer)), 1.0, True, fmt,
+                  (ours, peer))
         if results["options"].get("forced_tokens"):
             for name, graph, limit in ((kv, "decoder", 1.15), (i8, "decoder_int8", 1.3)):
                 lat = rt.get(name, {}).get("latency", {})
@@ -254,9 +325,11 @@ def targets(results: dict) -> list[dict]:
                       ratio(per_token, f), limit, False, fmt)
     else:
         check(f"{kv}, batch 1, beam {beams}: at most 0.6x generate(num_beams={beams})'s latency",
-              ratio(p50(kv), p50("transformers")), 0.6, False, lambda v, _: f"{v:.2f}x generate()'s p50")
+              ratio(p50(kv), p50("transformers")), 0.6, False, lambda v, _: f"{v:.2f}x generate()'s p50",
+              (kv, "transformers"))
         for ours, peer, label in ((kv, "ct2_float32", "CTranslate2 float32"), (i8, "ct2_int8", "CTranslate2 int8")):
             check(f"{ours}, batch 1, beam {beams}: no slower than {label} beam_size={beams}",
-                  ratio(p50(ours), p50(peer)), 1.0, False, lambda v, _, label=label: f"{v:.2f}x {label}'s p50")
+                  ratio(p50(ours), p50(peer)), 1.0, False, lambda v, _, label=label: f"{v:.2f}x {label}'s p50",
+                  (ours, peer))
     return out
 

@@ -321,6 +321,94 @@ def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
     assert "Rounds: 3, round-robin" in md and md.count(" / ") >= 6
 
 
+# --- --paired-rounds: a target between two runtimes decided within back-to-back pairs ------------
+
+
+def _results_for_targets(kv_thr: float, ct2_thr: float, paired: dict | None) -> dict:
+    runtime = lambda thr: {"latency": {"p50": 10.0}, "throughput": {"32": {"sentences": 128, "sentences_per_s": thr}}}  # noqa: E731
+    results = {"runtimes": {"ort_fp32_kv_cache": runtime(kv_thr), "ct2_float32": runtime(ct2_thr)},
+               "options": {"batch_sizes": [32]}, "environment": {}}
+    if paired:
+        results["paired"] = paired
+    return results
+
+
+def test_the_median_pair_decides_a_target_and_the_round_robin_ratio_stays_beside_it():
+    from service.speedrun import summarize_pairs, targets
+
+    greedy = {"search": "greedy", "num_beams": 1}
+    pairs = [{"first": "ort_fp32_kv_cache", "ort_fp32_kv_cache": 120.0, "ct2_float32": 100.0},
+             {"first": "ct2_float32", "ort_fp32_kv_cache": 80.0, "ct2_float32": 100.0},
+             {"first": "ort_fp32_kv_cache", "ort_fp32_kv_cache": 110.0, "ct2_float32": 100.0}]
+    summary = summarize_pairs("ort_fp32_kv_cache", "ct2_float32", pairs, greedy, "32")
+    assert [p["ratio"] for p in summary["pairs"]] == pytest.approx([1.2, 0.8, 1.1])
+    assert summary["median_ratio"] == pytest.approx(1.1) and (summary["ours_ahead"], summary["n"]) == (2, 3)
+    # Round-robin medians 0.9x (a slow minute on our side) but 1.1x within the pairs: the pairs decide.
+    name = "ort_fp32_kv_cache, batch 32: at least CTranslate2 float32's throughput"
+    t = {x["target"]: x for x in targets(_results_for_targets(90.0, 100.0, {"ort_fp32_kv_cache/ct2_float32": summary}))}[name]
+    assert (t["held"], t["decided_by"], t["value"], t["round_robin_value"]) == (True, "paired", pytest.approx(1.1), pytest.approx(0.9))
+    assert "1.10x in the median of 3 back-to-back pairs (ours ahead in 2)" in t["measured"] and "0.90x" in t["measured"]
+    # And the other way: ahead in the round-robin, behind within the pairs.
+    behind = summarize_pairs("ort_fp32_kv_cache", "ct2_float32", [{**p, "ort_fp32_kv_cache": p["ort_fp32_kv_cache"] - 25} for p in pairs],
+                             greedy, "32")
+    t = {x["target"]: x for x in targets(_results_for_targets(130.0, 100.0, {"ort_fp32_kv_cache/ct2_float32": behind}))}[name]
+    assert t["held"] is False and t["value"] == pytest.approx(0.85)
+    # Without a paired check (or when it failed) the round-robin ratio decides, and a failure is said.
+    t = {x["target"]: x for x in targets(_results_for_targets(90.0, 100.0, None))}[name]
+    assert (t["held"], t["decided_by"], t["value"]) == (False, "round-robin", pytest.approx(0.9))
+    failed = {"ort_fp32_kv_cache/ct2_float32": {"error": "ct2_float32 in pair 2: exit 1"}}
+    t = {x["target"]: x for x in targets(_results_for_targets(110.0, 100.0, failed))}[name]
+    assert t["decided_by"] == "round-robin" and "the paired check failed: ct2_float32 in pair 2" in t["measured"]
+    # Beam targets compare batch-1 latency: lower is better, so a pair at 0.9 is ours ahead.
+    beam = summarize_pairs("ort_int8", "ct2_int8", [{"first": "ort_int8", "ort_int8": 90.0, "ct2_int8": 100.0}],
+                           {"search": "beam", "num_beams": 4}, "4")
+    assert beam["ours_ahead"] == 1 and beam["figure"] == "batch-1 p50 ms"
+
+
+def test_a_paired_spec_times_only_what_its_target_compares():
+    from service.speedrun import PAIRED_LATENCY_SENTENCES, SpeedOptions, make_spec, paired_spec
+
+    n = 40
+    spec = make_spec([f"s{i}" for i in range(n)], [i % 7 + 1 for i in range(n)], SpeedOptions(batch_sizes=(8, 32)), sweep=True)
+    greedy = paired_spec(spec, {"num_beams": 1})
+    assert (greedy.latency_idx, greedy.batch_sizes, greedy.sweep_lengths, greedy.warmup) == ([], [32], [], 0)
+    assert greedy.throughput_idx == spec.throughput_idx and greedy.sentences == spec.sentences
+    beam = paired_spec(spec, {"num_beams": 4})
+    assert beam.latency_idx == spec.latency_idx[:PAIRED_LATENCY_SENTENCES] and beam.batch_sizes == []
+    assert beam.warmup == spec.warmup and beam.sweep_idx == []
+
+
+def test_paired_rounds_time_each_pair_back_to_back_first_alternating(tiny_export_dir, tmp_path):
+    """Beam 2, our KV cache against generate() (the transformers peer, in this environment): the
+    paired check's pairs are real processes whose figures are the ratio's two sides."""
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
+
+    lines = []
+    options = SpeedOptions(max_new_tokens=6, latency_sentences=3, batch_sizes=(3,), sweep_lengths=(), warmup=1,
+                           floor=False, paired_rounds=3)
+    out = tmp_path / "out"
+    results = run(tiny_export_dir, default_sample(3), options, out, backend_names=["ort_fp32_kv_cache"],
+                  peer_names=["transformers"], peer_cache=tmp_path / "peers", log=lines.append, num_beams=2)
+    assert results["failed"] == {}
+    p = results["paired"]["ort_fp32_kv_cache/transformers"]
+    assert [q["first"] for q in p["pairs"]] == ["ort_fp32_kv_cache", "transformers", "ort_fp32_kv_cache"]
+    for k, q in enumerate(p["pairs"], 1):
+        sides = {name: json.loads((out / "logs" / f"paired.ort_fp32_kv_cache-transformers.{k}.{name}.json").read_text())
+                 for name in ("ort_fp32_kv_cache", "transformers")}
+        for name, r in sides.items():
+            assert r["latency"]["n"] == 3 and r["throughput"] == {} and r["sweep"] == {}  # latency only
+            assert q[name] == r["latency"]["p50"]
+        assert q["ratio"] == pytest.approx(q["ort_fp32_kv_cache"] / q["transformers"])
+    assert p["median_ratio"] == pytest.approx(float(np.median([q["ratio"] for q in p["pairs"]])))
+    target = next(t for t in results["targets"] if "generate(num_beams=2)" in t["target"])
+    assert target["decided_by"] == "paired" and target["value"] == p["median_ratio"]
+    assert target["held"] == (p["median_ratio"] <= 0.6)
+    assert any(m.startswith("paired check ort_fp32_kv_cache/transformers (batch-1 p50 ms): median pair") for m in lines)
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Paired target checks" in md and f"| {p['median_ratio']:.2f}x | {p['ours_ahead']} of 3 |" in md
+
+
 # --- --num-beams: every runtime, ours and the peers, at one beam size --------------------------
 
 
@@ -339,6 +427,7 @@ def test_num_beams_out_of_range_is_an_argparse_error(value, capsys):
     (["--num-beams", "2", "--sweep", "4,8"], "greedy"),  # the sweep is a greedy measurement: refused, not relabelled
     (["--length-penalty", "0.6"], "beam search only"),  # greedy: a beam option is refused
     (["--num-beams", "1", "--early-stopping", "never"], "beam search only"),
+    (["--paired-rounds", "4"], "add --peers"),  # nothing to pair a backend with: refused, not silently skipped
 ])
 def test_speed_refuses_options_that_do_not_fit_the_search(argv, message, capsys):
     from bench.__main__ import main
@@ -496,16 +585,22 @@ def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, peer_cache, tmp_path)
     from service.speedrun import SpeedOptions
 
     pairs = default_sample(4)
-    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1)
+    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1, paired_rounds=2)
     results = run(tiny_export_dir, pairs, options, tmp_path / "out", backend_names=["pytorch", "ort_fp32_kv_cache"],
                   peer_names=["ct2_float32", "ct2_int8"], peer_python=PEER_PYTHON, peer_cache=peer_cache,
                   log=lambda m: None)
     assert results["failed"] == {}
-    # The batch target against CTranslate2, with the ORT graphs' own throughput beside it.
+    # The batch target against CTranslate2, decided by the paired check (ort_int8 did not run: its
+    # target is not paired), with the round-robin ratio and the ORT graphs' own throughput beside it.
     rt = results["runtimes"]
+    assert list(results["paired"]) == ["ort_fp32_kv_cache/ct2_float32"]
+    paired = results["paired"]["ort_fp32_kv_cache/ct2_float32"]
+    assert paired["figure"] == "batch-2 sentences/s" and [q["first"] for q in paired["pairs"]] == ["ort_fp32_kv_cache", "ct2_float32"]
+    assert all(q["ratio"] == pytest.approx(q["ort_fp32_kv_cache"] / q["ct2_float32"]) for q in paired["pairs"])
     target = next(t for t in results["targets"] if t["target"] == "ort_fp32_kv_cache, batch 2: at least CTranslate2 float32's throughput")
     kv, ct2 = rt["ort_fp32_kv_cache"]["throughput"]["2"], rt["ct2_float32"]["throughput"]["2"]
-    assert target["value"] == pytest.approx(kv["sentences_per_s"] / ct2["sentences_per_s"])
+    assert target["value"] == paired["median_ratio"] and target["held"] == (paired["median_ratio"] >= 1.0)
+    assert target["round_robin_value"] == pytest.approx(kv["sentences_per_s"] / ct2["sentences_per_s"])
     graphs = kv["sentences"] / kv["engine_seconds"]
     assert graphs > kv["sentences_per_s"] and "engine_seconds" not in ct2  # a peer's loop cannot be told apart
     assert f"the ORT graphs alone: {graphs:.1f} sentences/s = {graphs / ct2['sentences_per_s']:.2f}x" in target["measured"]
