@@ -16,7 +16,9 @@ MANIFEST_NAME = "manifest.json"
 FORMAT = "marian-onnx-export"
 # 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
 # 3: "generation": the model's own generation config, the decoding defaults (beam search, penalties)
-FORMAT_VERSION = 3
+# 4: attention cores as ONNX Runtime's MultiHeadAttention (export/rewrite.fuse_attention)
+FORMAT_VERSION = 4
+FORMAT_CHANGE = "attention cores fused into ONNX Runtime's MultiHeadAttention, same numbers, faster at batch 1"
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 # A Marian export's tokenizer files; other families list theirs in the sidecar's "tokenizer" section.
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
@@ -347,8 +349,8 @@ def load_manifest(export_dir: str | Path) -> Manifest:
     version = data.get("format_version")
     if data.get("format") == FORMAT and isinstance(version, int) and version < FORMAT_VERSION:
         raise ManifestError(
-            f"{path}: written by an older export (format v{version}); this version reads v{FORMAT_VERSION}, "
-            "which records the model's generation config (beam search and its options): re-run the export "
+            f"{path}: written by an older export (format v{version}); this version reads v{FORMAT_VERSION} "
+            f"({FORMAT_CHANGE}): re-run the export "
             f"(`python -m export SRC --out {root}`; the app re-creates its embedded model's export by itself)"
         )
     if data.get("format") != FORMAT or version != FORMAT_VERSION:

@@ -216,7 +216,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         import torch
 
         torch.set_num_threads(options.threads)
-    steps = _Steps(8 if options.verify else 7, log)
+    steps = _Steps(9 if options.verify else 8, log)
     model, tokenizer, source, family, languages = steps.run(
         f"load {src}", load_source, src, options.src_lang, options.tgt_lang
     )
@@ -251,6 +251,19 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             return report
 
         fp16_report = steps.run("convert KV-cache pair to fp16", to_fp16)
+
+        # After fp16, before int8. The fp16 converter re-infers every value's type with ONNX's shape
+        # inference, which knows no com.microsoft op: from a fused graph it would keep no types past
+        # the first MultiHeadAttention, and service/locate.py maps modules by those types. So fp16 is
+        # converted from the exported cores and fused after; int8 is quantized from the fused fp32.
+        def fuse():
+            heads = {"encoder": config.encoder_attention_heads, "decoder": config.decoder_attention_heads}
+            for name in ("encoder", "decoder"):
+                fused = {p: rewrite.fuse_attention_file(tmp / f"{name}{p}.onnx", heads[name]) for p in ("", "_fp16")}
+                rewrites.setdefault(name, {}).update(fused[""])
+                rewrites[f"{name}_fp16"] = fused["_fp16"]
+
+        steps.run("fuse each attention core into one MultiHeadAttention (fp32, fp16)", fuse)
 
         def to_int8():
             reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")
@@ -314,7 +327,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
             "first_step": FIRST_STEP,
             "graphs": graph_entries,
-            # Tied output layer stored once, pre-transposed: see export/rewrite.py.
+            # Tied output layer stored once, pre-transposed; attention cores fused: see export/rewrite.py.
             "rewrites": rewrites,
             "fp16": {
                 **fp16_report["decoder"],

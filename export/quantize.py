@@ -48,5 +48,5 @@ def quantize_int8(src: Path, dst: Path) -> dict:
         "ops_quantized": OPS_TO_QUANTIZE,
         "embeddings": "int8, one scale per token; tied with the output layer's int8 weight where it has one",
         "gathers": gathers["gathers"],
-        "kept_fp32": "attention score/value MatMuls (both inputs are activations), LayerNorm, Softmax",
+        "kept_fp32": "attention (MultiHeadAttention: its products are of two activations), LayerNorm",
     }

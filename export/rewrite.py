@@ -9,6 +9,12 @@ initializer. Storing the weight once, already transposed (d, V), fixes both: the
 directly (and gets quantized), and the embedding becomes `Transpose(Gather(W_t, ids, axis=1))`,
 which copies the same numbers. Values are bit-identical; only where they live changes.
 
+`fuse_attention`: each attention core our wrappers export (`export/wrappers._attend`: split
+heads, scale, scores, bias, softmax, weighted sum, merge heads) becomes one ONNX Runtime
+`MultiHeadAttention` node. Same numbers (bit-identical outputs, checked in the tests); measured on
+the opus-mt-sized export, a batch-1 decoder step 0.97x (fp32) and 0.93x (int8) the time, batch 4
+and 32 level.
+
 Every node a rewrite adds carries the metadata of the node it stands for (`copy_metadata`): the
 dynamo exporter records on each node the module it came from (`namespace`,
 `pkg.torch.onnx.name_scopes`, `pkg.torch.onnx.class_hierarchy`), and `service/locate.py` maps
@@ -226,3 +232,161 @@ def quantize_gathers(model: onnx.ModelProto) -> dict:
             graph.initializer.remove(inits.pop(weight))
         done.append({"weight": weight, "axis": axis, "int8_from": source})
     return {"gathers": done}
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _scalar(graph: onnx.GraphProto, name: str, producers: dict[str, onnx.NodeProto]) -> float | None:
+    """The value of a one-element float32 or float16 constant (initializer or Constant node), else None."""
+    for init in graph.initializer:
+        if init.name == name:
+            a = numpy_helper.to_array(init)
+            return float(a.reshape(-1)[0]) if a.size == 1 and a.dtype in _FLOAT_DTYPES else None
+    node = producers.get(name)
+    if node is not None and node.op_type == "Constant":
+        value = _attr(node, "value")
+        if value is not None:
+            a = numpy_helper.to_array(value)
+            return float(a.reshape(-1)[0]) if a.size == 1 and a.dtype in _FLOAT_DTYPES else None
+    return None
+
+
+_FLOAT_DTYPES = (np.float32, np.float16)
+
+
+def fuse_attention(model: onnx.ModelProto, num_heads: int) -> dict:
+    """Each attention core `export/wrappers._attend` wrote, as one ONNX Runtime `MultiHeadAttention`.
+
+    The exported core is Reshape + Transpose of q (b, t, h*d) into heads, Mul by the scaling,
+    MatMul with Transpose(k), Add of the padding bias where there is one, Softmax, MatMul with v,
+    Transpose + Reshape back to (b, t, h*d): eight to ten nodes, each writing a (b, h, t, s) or
+    (b, h, t, d) tensor that the next reads back. `com.microsoft.MultiHeadAttention` takes q as
+    (b, t, h*d) with the scaling as its `scale`, k and v as (b, s, h*d) where the heads are split
+    only for this attention (the encoder's self-attention) or as (b, h, s, d) where the split tensor
+    is needed anyway (the decoder's cache: its Concat still writes `present.*`; the cross-attention
+    keys and values, graph inputs), and the bias as its `attention_bias` (b, 1, t, s): ORT computes
+    the same products, softmax and sums in one kernel. The nodes it replaces are removed when
+    nothing else reads them. The new node carries the Softmax's metadata (service/locate.py).
+
+    Returns {"attention": [one entry per fused core]}; a graph without the pattern is left as is.
+    """
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    readers = _readers(graph)
+    outputs = {o.name for o in graph.output}
+
+    def only_reader(name: str, op: str) -> onnx.NodeProto | None:
+        users = readers.get(name, [])
+        return users[0] if len(users) == 1 and users[0].op_type == op and name not in outputs else None
+
+    def made_by(name: str, op: str, perm: list[int] | None = None) -> onnx.NodeProto | None:
+        node = producers.get(name)
+        if node is None or node.op_type != op or (perm is not None and list(_attr(node, "perm", [])) != perm):
+            return None
+        return node
+
+    def unsplit(heads4: str, reader: onnx.NodeProto) -> str | None:
+        """(b, s, h*d) behind Transpose(Reshape(x)) when that split is read by `reader` alone."""
+        tr = made_by(heads4, "Transpose", [0, 2, 1, 3])
+        if tr is None or [u.name for u in readers.get(heads4, [])] != [reader.name] or heads4 in outputs:
+            return None
+        rs = made_by(tr.input[0], "Reshape")
+        if rs is None or len(readers.get(rs.output[0], [])) != 1:
+            return None
+        return rs.input[0]
+
+    fused = []
+    for sm in [n for n in graph.node if n.op_type == "Softmax"]:
+        if _attr(sm, "axis", -1) not in (-1, 3):
+            continue
+        scores, bias = sm.input[0], None
+        add = made_by(scores, "Add")
+        if add is not None:
+            left, right = (made_by(i, "MatMul") for i in add.input)
+            if left is None and right is None:
+                continue
+            qk = left if left is not None else right
+            bias = add.input[1] if left is not None else add.input[0]
+        else:
+            qk = made_by(scores, "MatMul")
+        if qk is None:
+            continue
+        k_t = made_by(qk.input[1], "Transpose", [0, 1, 3, 2])
+        # The exporter may have merged the head split into it: Transpose(Reshape(k), [0, 2, 3, 1]).
+        k_t_merged = made_by(qk.input[1], "Transpose", [0, 2, 3, 1]) if k_t is None else None
+        mul = made_by(qk.input[0], "Mul")
+        pv = only_reader(sm.output[0], "MatMul")
+        if (k_t is None and k_t_merged is None) or mul is None or pv is None or pv.input[0] != sm.output[0]:
+            continue
+        q_heads = next((i for i in mul.input if made_by(i, "Transpose", [0, 2, 1, 3])), None)
+        scale = _scalar(graph, mul.input[1] if q_heads == mul.input[0] else mul.input[0], producers)
+        q_split = made_by(q_heads, "Transpose", [0, 2, 1, 3]) if q_heads else None
+        q_reshape = made_by(q_split.input[0], "Reshape") if q_split is not None else None
+        merge_t = only_reader(pv.output[0], "Transpose")
+        merge = only_reader(merge_t.output[0], "Reshape") if merge_t is not None else None
+        if scale is None or q_reshape is None or merge is None or list(_attr(merge_t, "perm", [])) != [0, 2, 1, 3]:
+            continue
+        v4 = pv.input[1]
+        v3 = unsplit(v4, pv)
+        if k_t is not None:
+            k4 = k_t.input[0]
+            k3 = unsplit(k4, k_t)
+        else:
+            k_split = made_by(k_t_merged.input[0], "Reshape")
+            k4, k3 = None, k_split.input[0] if k_split is not None and len(readers[k_split.output[0]]) == 1 else None
+        # MultiHeadAttention takes both as (b, s, h*d) or both as (b, h, s, d).
+        if k3 is not None and v3 is not None:
+            key, value = k3, v3
+        elif k4 is not None:
+            key, value = k4, v4
+        else:
+            continue
+        inputs = [q_reshape.input[0], key, value] + (["", "", bias] if bias is not None else [])
+        mha = helper.make_node(
+            "MultiHeadAttention", inputs, [merge.output[0]], name=f"{sm.name}.MultiHeadAttention",
+            domain="com.microsoft", num_heads=num_heads, scale=scale,
+        )
+        copy_metadata(mha, sm)
+        graph.node.insert(list(graph.node).index(merge), mha)
+        merge.output[0] = f"{merge.output[0]}.unfused"  # the old chain is now dead: removed below
+        fused.append({"softmax": sm.name, "key": "(b, s, h*d)" if key == k3 else "(b, h, s, d)",
+                      "bias": bias is not None, "scale": scale})
+    if fused:
+        _remove_dead_nodes(graph)
+        if not any(op.domain == "com.microsoft" for op in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return {"attention": fused, "num_heads": num_heads}
+
+
+def _remove_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Drop nodes none of whose outputs is read or a graph output, until none is left, then the
+    initializers nothing reads any more (the shape constants of the removed Reshapes) and the
+    recorded types of values nothing computes any more."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | outputs
+        dead = [n for n in graph.node if not any(o in read for o in n.output if o)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    for init in [i for i in graph.initializer if i.name not in read]:
+        graph.initializer.remove(init)
+    made = {o for n in graph.node for o in n.output}
+    for info in [v for v in graph.value_info if v.name not in made]:
+        graph.value_info.remove(info)
+
+
+def fuse_attention_file(path: Path, num_heads: int) -> dict:
+    """`fuse_attention` on a graph file in place (external data kept, as `rewrite_file`)."""
+    from .onnx_io import check, external_files, save
+
+    external = bool(external_files(path))
+    model = onnx.load(str(path))
+    report = fuse_attention(model, num_heads)
+    if report["attention"]:
+        save(model, path, external_data=external)
+        check(path)
+    return report

@@ -109,7 +109,11 @@ class EncoderWithCrossKV(_Stack):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
         # input_ids, attention_mask: (b, s) int64
         x = self.embed(input_ids, 0)  # (b, s, D)
-        bias = _padding_bias(attention_mask, x.dtype)
+        b, s = input_ids.shape
+        # One bias row per query, (b, 1, s, s), not (b, 1, 1, s) broadcast: ONNX Runtime's
+        # MultiHeadAttention, which replaces _attend in the graph (export/rewrite.fuse_attention),
+        # takes its attention bias in that shape. Same numbers either way.
+        bias = _padding_bias(attention_mask, x.dtype).expand(b, 1, s, s)
         for layer in self.layers:
             attn = layer.self_attn
 

@@ -163,6 +163,77 @@ def test_rewrites_keep_every_output_bit_identical(tmp_path):
     assert np.allclose(after, w[ids] @ w.T, atol=1e-5)
 
 
+def _ops(path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node]
+
+
+def test_every_attention_core_is_one_multi_head_attention(tiny_export_dir):
+    """No Softmax left in the KV-cache graphs of any precision: each layer's attention is one
+    MultiHeadAttention (encoder: self-attention per layer; decoder: self and cross per layer)."""
+    manifest = load_manifest(tiny_export_dir)
+    layers = manifest.data["model"]["decoder_layers"], manifest.data["model"]["encoder_layers"]
+    for name in ("encoder", "encoder_fp16", "encoder_int8", "decoder", "decoder_fp16", "decoder_int8"):
+        ops = _ops(manifest.graph_path(name))
+        expected = layers[1] if name.startswith("encoder") else 2 * layers[0]
+        assert ops.count("MultiHeadAttention") == expected and "Softmax" not in ops, name
+    assert "Softmax" in _ops(manifest.graph_path("full"))  # the naive migration stays HF's own graph
+    fused = manifest.data["rewrites"]
+    assert [a["key"] for a in fused["encoder"]["attention"]] == ["(b, s, h*d)"] * layers[1]  # split only for it
+    assert [a["key"] for a in fused["decoder"]["attention"]] == ["(b, h, s, d)"] * (2 * layers[0])  # cache, inputs
+    assert [a["bias"] for a in fused["decoder"]["attention"]] == [False, True] * layers[0]  # padding: cross only
+
+
+def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_model_dir, tmp_path):
+    """The encoder and decoder as the exporter writes them, then fused: every output bit-identical,
+    with padded source rows and a non-empty past."""
+    import copy
+
+    from backends.ort_session import SessionConfig, disabled_optimizers, session_options
+    from export import graphs
+    from export.rewrite import fuse_attention
+    from export.source import load_source
+
+    model, _, _, family, _ = load_source(str(tiny_model_dir))
+    config = model.config
+    specs = graphs.graph_specs(config)
+    settings = SessionConfig(threads=2)
+
+    def run(m, feeds):
+        session = ort.InferenceSession(m.SerializeToString(), session_options(settings), providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=disabled_optimizers(settings))
+        return session.run(None, feeds)
+
+    rng = np.random.default_rng(0)
+    b, s = 3, 7
+    mask = np.ones((b, s), dtype=np.int64)
+    mask[1, 4:], mask[2, 2:] = 0, 0
+    ids = np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id)
+    results = {}
+    for name, heads in (("encoder", config.encoder_attention_heads), ("decoder", config.decoder_attention_heads)):
+        exported = onnx.load(str(graphs.export_graph(model, family, config, specs[name], tmp_path, graphs.DEFAULT_OPSET)))
+        fused = copy.deepcopy(exported)
+        report = fuse_attention(fused, heads)
+        assert len(report["attention"]) == _ops_count(exported, "Softmax") > 0 and _ops_count(fused, "Softmax") == 0
+        if name == "encoder":
+            feeds = {"input_ids": ids, "attention_mask": mask}
+        else:
+            h, d = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+            feeds = {"input_ids": ids[:, :1], "encoder_attention_mask": mask}
+            cross = results["encoder"][1:]
+            for i, inp in enumerate(x.name for x in exported.graph.input if x.name.startswith("cross")):
+                feeds[inp] = cross[i]
+            for inp in (x.name for x in exported.graph.input if x.name.startswith("past")):
+                feeds[inp] = rng.standard_normal((b, h, 5, d)).astype(np.float32)
+        before, after = run(exported, feeds), run(fused, feeds)
+        results[name] = before
+        for x, y in zip(before, after, strict=True):
+            assert x.shape == y.shape and np.array_equal(x, y), name
+
+
+def _ops_count(model, op: str) -> int:
+    return sum(n.op_type == op for n in model.graph.node)
+
+
 def test_existing_output_needs_force(tiny_model_dir, tiny_export_dir, capsys):
     code = export_main([str(tiny_model_dir), "--out", str(tiny_export_dir), "--no-verify"])
     assert code == 2

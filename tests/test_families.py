@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 
 from backends import SessionConfig, load_backends, load_manifest, memory_needs
@@ -147,6 +148,12 @@ def test_export_verifies_every_fp32_graph_within_1e4(family_export_dir):
         for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
             r = v[label]["backends"][name]
             assert r["identical_ids"] == v[label]["sentences"] == 16, (label, name)
+    # ...with each family's attention cores fused (export/rewrite.fuse_attention), in every KV-cache graph.
+    manifest = load_manifest(family_export_dir)
+    layers = {"encoder": manifest.data["model"]["encoder_layers"], "decoder": 2 * manifest.data["model"]["decoder_layers"]}
+    for name in ("encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8"):
+        ops = [n.op_type for n in onnx.load(str(manifest.graph_path(name)), load_external_data=False).graph.node]
+        assert ops.count("MultiHeadAttention") == layers[name.split("_")[0]] and "Softmax" not in ops, name
 
 
 def test_the_sidecar_records_family_tokenizer_languages_and_forced_bos(family_export_dir, family_backends):
