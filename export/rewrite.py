@@ -240,17 +240,14 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 
 def _scalar(graph: onnx.GraphProto, name: str, producers: dict[str, onnx.NodeProto]) -> float | None:
     """The value of a one-element float32 or float16 constant (initializer or Constant node), else None."""
-    for init in graph.initializer:
-        if init.name == name:
-            a = numpy_helper.to_array(init)
-            return float(a.reshape(-1)[0]) if a.size == 1 and a.dtype in _FLOAT_DTYPES else None
     node = producers.get(name)
-    if node is not None and node.op_type == "Constant":
-        value = _attr(node, "value")
-        if value is not None:
-            a = numpy_helper.to_array(value)
-            return float(a.reshape(-1)[0]) if a.size == 1 and a.dtype in _FLOAT_DTYPES else None
-    return None
+    tensor = next((i for i in graph.initializer if i.name == name), None)
+    if tensor is None and node is not None and node.op_type == "Constant":
+        tensor = _attr(node, "value")
+    if tensor is None:
+        return None
+    a = numpy_helper.to_array(tensor)
+    return float(a.reshape(-1)[0]) if a.size == 1 and a.dtype in _FLOAT_DTYPES else None
 
 
 _FLOAT_DTYPES = (np.float32, np.float16)

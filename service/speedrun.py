@@ -143,9 +143,13 @@ KV, I8 = "ort_fp32_kv_cache", "ort_int8"
 PAIRED_LATENCY_SENTENCES = 10
 
 
+def _greedy(decoding: dict) -> bool:
+    return int(decoding.get("num_beams", 1)) == 1
+
+
 def target_pairs(decoding: dict) -> list[tuple[str, str]]:
     """(ours, peer) of each target that compares two runtimes (see `targets`), for the paired check."""
-    if int(decoding.get("num_beams", 1)) == 1:
+    if _greedy(decoding):
         return [(KV, "ct2_float32"), (I8, "ct2_int8")]  # throughput at the largest batch
     return [(KV, "transformers"), (KV, "ct2_float32"), (I8, "ct2_int8")]  # batch-1 p50
 
@@ -154,7 +158,7 @@ def paired_spec(spec: Spec, decoding: dict) -> Spec:
     """The work of one side of a pair: only the figure its target compares. Greedy: throughput at
     the largest batch size over the run's throughput sentences; beam: batch-1 latency over the first
     PAIRED_LATENCY_SENTENCES of the run's latency sentences. Same sentences, lengths and threads."""
-    greedy = int(decoding.get("num_beams", 1)) == 1
+    greedy = _greedy(decoding)
     lat = [] if greedy else spec.latency_idx[:PAIRED_LATENCY_SENTENCES]
     return dataclasses.replace(spec, latency_idx=lat, batch_sizes=spec.batch_sizes[-1:] if greedy else [],
                                sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(lat)))
@@ -162,7 +166,7 @@ def paired_spec(spec: Spec, decoding: dict) -> Spec:
 
 def paired_figure(result: dict, decoding: dict, big: str) -> float:
     """What a paired run's target compares: batch-`big` sentences/s (greedy) or batch-1 p50 ms (beam)."""
-    if int(decoding.get("num_beams", 1)) == 1:
+    if _greedy(decoding):
         return result["throughput"][big]["sentences_per_s"]
     return result["latency"]["p50"]
 
@@ -170,7 +174,7 @@ def paired_figure(result: dict, decoding: dict, big: str) -> float:
 def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big: str) -> dict:
     """`pairs`: [{"first": name, ours: figure, peer: figure}, ...] -> each pair's ratio (ours / peer),
     the median ratio, and in how many pairs ours was ahead."""
-    greedy = int(decoding.get("num_beams", 1)) == 1
+    greedy = _greedy(decoding)
     ratios = [p[ours] / p[peer] for p in pairs]
     ahead = sum(r >= 1.0 if greedy else r <= 1.0 for r in ratios)
     return {
