@@ -88,7 +88,7 @@ def speed(args) -> int:
     check(decoding["num_beams"])
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,
                   warmup=args.warmup, timeout_s=args.timeout, sweep_peers=args.sweep_peers, floor=not args.no_floor,
-                  rounds=args.rounds, paired_rounds=args.paired_rounds)
+                  rounds=args.rounds, paired_rounds=args.paired_rounds, ct2_probe_rounds=args.ct2_probe_rounds)
     if args.quick:
         fields.update(speed_mod.QUICK)
     for name in ("latency_sentences", "throughput_sentences", "sweep_sentences"):
@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     sp.add_argument("--paired-rounds", type=int, default=0, metavar="N",
                     help="then time each target between one of our runtimes and a peer as N back-to-back pairs of "
                          "processes, first alternating; the median pair decides the target (default 0: round-robin only)")
+    sp.add_argument("--ct2-probe-rounds", type=int, default=2, metavar="N",
+                    help="time each CTranslate2 setting (MKL or oneDNN, 1 thread or all) N times on a short sample first "
+                         "and run it with the fastest (default 2; 0: its own choice with --threads threads)")
     sp.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
                     help="also time an Optimum-layout ONNX export of the same model as backend NAME, in its own process like ours (repeatable; DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)")
     sp.add_argument("--out", type=Path)

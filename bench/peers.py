@@ -46,6 +46,10 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 PEER_CACHE = REPO / "exports" / "peers"
 CT2_RECIPE = "bench.peers ct2-convert v2 (learned decoder start kept)"
+# CTranslate2's CPU settings: its GEMM library (CT2_USE_MKL; "auto" is its own choice by CPU vendor)
+# and its thread count (intra_threads, and MKL's and OpenMP's). Which is fastest depends on the
+# machine by 3-5x (docs/benchmarks.md), so `bench speed` probes them and keeps the fastest.
+CT2_GEMMS = ("auto", "mkl", "dnnl")
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
 
 
@@ -144,6 +148,25 @@ def _threads_env(threads: int) -> None:
         os.environ[var] = str(threads)
 
 
+def ct2_settings(threads: int) -> list[dict]:
+    """The CTranslate2 settings worth trying with at most `threads` threads: MKL and oneDNN, each
+    with one thread and with all of them (1 and `threads`; at 4 or more, half of them too)."""
+    counts = sorted({1, max(1, threads // 2), threads} if threads >= 4 else {1, threads})
+    return [{"gemm": g, "threads": t} for g in CT2_GEMMS[1:] for t in counts]
+
+
+def ct2_setting_args(setting: dict) -> list[str]:
+    return ["--ct2-gemm", setting["gemm"], "--ct2-threads", str(setting["threads"])]
+
+
+def _ct2_gemm_env(gemm: str) -> None:
+    """Before ctranslate2 is imported: it reads CT2_USE_MKL once, when it loads."""
+    if gemm == "auto":
+        os.environ.pop("CT2_USE_MKL", None)
+    else:
+        os.environ["CT2_USE_MKL"] = "1" if gemm == "mkl" else "0"
+
+
 def tokenization_mismatches(tokenizer, spec: Spec) -> list[int]:
     """Indices of sentences this environment's tokenizer encodes differently from the project's."""
     if spec.source_ids is None:
@@ -206,13 +229,42 @@ def ct2_kwargs(decode: dict | None) -> dict:
     return kwargs
 
 
+def _logged(make):
+    """(make(), what CTranslate2 logged): at load it says which ISA, GEMM libraries and compute type
+    it dispatched to, at info level, on the C++ side's stderr. Captured from file descriptor 2 around
+    the load, passed on to stderr (the worker's log), and parsed into {"Selected ISA": "AVX2", ...}."""
+    import logging
+    import re
+    import tempfile
+
+    import ctranslate2
+
+    level = ctranslate2.get_log_level()
+    ctranslate2.set_log_level(logging.INFO)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            result = make()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            ctranslate2.set_log_level(level)
+        f.seek(0)
+        text = f.read().decode(errors="replace")
+    sys.stderr.write(text)
+    said = dict(re.findall(r"\[info\]\s+(?:- )?([A-Za-z_0-9 ]+): (.+)", text))
+    return result, said
+
+
 class _CT2:
     def __init__(self, model_dir: str, tokenizer, threads: int, compute_type: str, decode: dict | None = None):
         import ctranslate2
 
-        self.translator = ctranslate2.Translator(
+        self.translator, self.dispatch = _logged(lambda: ctranslate2.Translator(
             model_dir, device="cpu", compute_type=compute_type, intra_threads=threads, inter_threads=1
-        )
+        ))
         self.tokenizer = tokenizer
         self.kwargs = ct2_kwargs(decode)
 
@@ -286,7 +338,7 @@ def load_peer(peer: str, model_dir: str, source: str, threads: int, decode: dict
         runtime = _CT2(model_dir, tokenizer, threads, compute, decode)
         v = _versions("ctranslate2")
         info = {"runtime": f"CTranslate2 {v.get('ctranslate2')}", "precision": compute, "files": ["model.bin"],
-                "size_bytes": _dir_bytes(Path(model_dir), "model.bin")}
+                "size_bytes": _dir_bytes(Path(model_dir), "model.bin"), "dispatch": runtime.dispatch}
         note = Path(model_dir) / "bench-conversion.json"
         if note.is_file():
             info["conversion"] = json.loads(note.read_text())
@@ -319,6 +371,10 @@ def worker(argv=None) -> int:
                         help="CTranslate2 only (it reads no generation config): the model's repetition_penalty")
     parser.add_argument("--no-repeat-ngram-size", type=int,
                         help="CTranslate2 only (it reads no generation config): the model's no_repeat_ngram_size")
+    parser.add_argument("--ct2-gemm", choices=CT2_GEMMS, default="auto",
+                        help="CTranslate2 only: its GEMM library, Intel MKL or oneDNN (auto: its own choice by CPU vendor)")
+    parser.add_argument("--ct2-threads", type=int,
+                        help="CTranslate2 only: its threads, at most the spec's (default: the spec's)")
     args = parser.parse_args(argv)
     reset_peak_rss()  # the peak reported is this runtime's own, whatever started this process
     if args.num_beams < 1:
@@ -329,15 +385,25 @@ def worker(argv=None) -> int:
                                      ("no_repeat_ngram_size", args.no_repeat_ngram_size))
                    if v is not None})
     spec = Spec.load(args.spec)
-    _threads_env(spec.threads)
+    threads = spec.threads
+    if args.peer.startswith("ct2"):
+        threads = args.ct2_threads or spec.threads
+        if not 1 <= threads <= spec.threads:
+            parser.error(f"--ct2-threads must be in 1..{spec.threads} (the spec's threads), got {threads}")
+        _ct2_gemm_env(args.ct2_gemm)
+    elif args.ct2_threads or args.ct2_gemm != "auto":
+        parser.error(f"--ct2-gemm and --ct2-threads are CTranslate2 settings; {args.peer} takes neither")
+    _threads_env(threads)
     start = time.perf_counter()
     _preimport(args.peer)
     import_s = time.perf_counter() - start
     rss_before = rss_mb()
     start = time.perf_counter()
-    runtime, info = load_peer(args.peer, args.model_dir, args.source, spec.threads, decode)
+    runtime, info = load_peer(args.peer, args.model_dir, args.source, threads, decode)
     load_s = time.perf_counter() - start
-    result = {"name": args.peer, "kind": "peer", "info": {**info, "threads": spec.threads}, "decoding": decode,
+    if args.peer.startswith("ct2"):
+        info["ct2_setting"] = {"gemm": args.ct2_gemm, "threads": threads}
+    result = {"name": args.peer, "kind": "peer", "info": {**info, "threads": threads}, "decoding": decode,
               "call": runtime.kwargs,
               "import_s": import_s, "load_s": load_s, "rss_before_load_mb": rss_before,
               "rss_after_load_mb": rss_mb(), "size_bytes": info["size_bytes"],

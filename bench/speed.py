@@ -23,8 +23,8 @@ from corpus import Pair
 from service.environment import environment
 from service.protocol import Spec
 from service.reports import failure_line, write
-from service.speedrun import (SpeedOptions, add_comparisons, decoding_sentence, make_spec, model_info,
-                               paired_figure, paired_spec, sentence_info, summarize_pairs, target_pairs)
+from service.speedrun import (SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec, model_info,
+                               paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs, target_pairs)
 
 from . import floor as floor_mod, peers as peers_mod
 from .data import REPO, default_backends
@@ -41,6 +41,13 @@ WHAT_IS_TIMED = (
     "output_scores=False: no per-step log-probs). Each runtime runs alone in its own process; peak RSS is that "
     "process's maximum resident memory over the whole run (load, warm-up, batch 1 and the largest batch), "
     "so it includes the Python interpreter and the runtime library."
+)
+
+PROBE_RULE = (
+    "each CTranslate2 setting (GEMM library: Intel MKL or oneDNN, via CT2_USE_MKL; threads: intra_threads and "
+    "MKL/OpenMP threads, at most the run's) ran in its own process over {n} batch-1 sentences and one batch of the "
+    "largest size, each setting that many times, the order reversed every other time; the setting with the "
+    "lowest best batch-1 p50 divided by its best throughput was used in every round and pair"
 )
 
 SWEEP_IS_GREEDY = (
@@ -226,6 +233,21 @@ def run(
             extra = {"conversion": {k: v for k, v in prep.items() if k != "dir"}, "command": cmd}
             jobs.append((name, cmd, options.sweep_peers, extra))
 
+    ct2_probes = {}
+    if options.ct2_probe_rounds and any(name.startswith("ct2") for name, *_ in jobs):
+        probe_path = out_dir / "spec-probe.json"
+        probe_spec(Spec.load(spec_nosweep_path)).save(probe_path)
+        for k, (name, cmd, sweeps, extra) in enumerate(jobs):
+            if not name.startswith("ct2"):
+                continue
+            probe = _probe_ct2(name, cmd, probe_path, options, out_dir, log)
+            ct2_probes[name] = probe
+            if "error" in probe:
+                failed[name] = probe["error"]
+                continue
+            cmd = [*cmd, *peers_mod.ct2_setting_args(probe["chosen"])]
+            jobs[k] = (name, cmd, sweeps, {**extra, "command": cmd})
+
     per_round: dict[str, list[dict]] = {}
     for round_ in range(options.rounds):
         for name, cmd, sweeps, extra in jobs:
@@ -287,6 +309,8 @@ def run(
     }
     if paired:
         results["paired"] = paired
+    if ct2_probes:
+        results["ct2_settings"] = ct2_probes
     if sweep_skipped:
         results["sweep_skipped"] = sweep_skipped
     if external:
@@ -320,6 +344,36 @@ def _paired_check(ours: str, peer: str, commands: dict[str, list[str]], spec_pat
         f"ours ahead in {summary['ours_ahead']} of {summary['n']} "
         f"(each pair: {', '.join(format(p['ratio'], '.2f') for p in summary['pairs'])})")
     return summary
+
+
+def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions, out_dir: Path, log) -> dict:
+    """Time each of CTranslate2's settings (peers.ct2_settings) `options.ct2_probe_rounds` times over
+    the probe spec, the order reversed every other round; the fastest is chosen (choose_setting).
+    A setting that fails is reported and left out; all failing fails the peer."""
+    settings = peers_mod.ct2_settings(options.threads)
+    trials, errors = [], []
+    for k in range(options.ct2_probe_rounds):
+        for setting in settings if k % 2 == 0 else settings[::-1]:
+            tag = f"probe.{name}.{setting['gemm']}-{setting['threads']}.{k + 1}"
+            out_json = out_dir / "logs" / f"{tag}.json"
+            r = _run_subprocess([*cmd, *peers_mod.ct2_setting_args(setting), "--spec", str(spec_path), "--out", str(out_json)],
+                                out_json, out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
+            if "error" in r:
+                errors.append({"setting": setting, "error": r["error"]})
+                log(f"{name} setting probe: {setting} FAILED: {failure_line(r['error'])}")
+                continue
+            big = str(options.batch_sizes[-1])
+            trials.append({"setting": setting, "latency_p50_ms": r["latency"]["p50"],
+                           "sentences_per_s": r["throughput"][big]["sentences_per_s"]})
+    if not trials:
+        return {"error": "every CTranslate2 setting failed in the probe: "
+                         + "; ".join(f"{e['setting']}: {failure_line(e['error'])}" for e in errors), "errors": errors}
+    probe = {**choose_setting(trials), "trials": trials, "errors": errors, "rounds": options.ct2_probe_rounds,
+             "rule": PROBE_RULE.format(n=len(Spec.load(spec_path).latency_idx))}
+    log(f"{name} setting probe: " + ", ".join(
+        f"{r['setting']['gemm']}/{r['setting']['threads']}t {r['latency_p50_ms']:.1f} ms, {r['sentences_per_s']:.1f} sent/s"
+        for r in probe["settings"]) + f"; chosen {probe['chosen']['gemm']} with {probe['chosen']['threads']} thread(s)")
+    return probe
 
 
 def _has_ct2(names) -> bool:

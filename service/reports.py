@@ -61,6 +61,14 @@ def env_lines(results: dict) -> list[str]:
     return lines
 
 
+_DISPATCH_SHOWN = ("Selected ISA", "SGEMM backend", "GEMM_S8 backend", "Selected compute type")
+_GEMM_NAMES = {"mkl": "Intel MKL", "dnnl": "oneDNN", "auto": "its own choice"}
+
+
+def _setting(setting: dict) -> str:
+    return f"{_GEMM_NAMES.get(setting['gemm'], setting['gemm'])} with {setting['threads']} thread(s)"
+
+
 def render_speed(results: dict) -> str:
     m, s, o = results["model"], results["sentences"], results["options"]
     runtimes, ref = results["runtimes"], results.get("reference")
@@ -133,6 +141,10 @@ def render_speed(results: dict) -> str:
         line = f"- `{name}`: {i.get('runtime')}, {i.get('provider', 'CPU')}, files {', '.join(i.get('files', []))}"
         if origin := provenance(i):
             line += f"; {origin}; its load time includes that check and hashing its graphs"
+        if st := i.get("ct2_setting"):
+            line += f"; {_setting(st)}"
+        if d := i.get("dispatch"):
+            line += " (its own log: " + ", ".join(f"{k} {d[k]}" for k in _DISPATCH_SHOWN if k in d) + ")"
         out.append(line)
     if results.get("claims"):
         out += ["", "## The article's claims, measured in this run", "",
@@ -172,6 +184,24 @@ def render_speed(results: dict) -> str:
             else:
                 out.append(f"| `{key}` | {p['figure']} | {each} | {p['median_ratio']:.2f}x | "
                            f"{p['ours_ahead']} of {p['n']} |")
+    if results.get("ct2_settings"):
+        out += ["", "## CTranslate2 settings, probed on this machine", ""]
+        for name, p in results["ct2_settings"].items():
+            if "error" in p:
+                out.append(f"- `{name}`: {failure_line(p['error'])}")
+                continue
+            out += [f"`{name}`: " + p["rule"] + ".", "",
+                    f"| GEMM, threads | best batch-1 p50 ms | best batch-{bs[-1]} sentences/s | runs | used |",
+                    "|---|---:|---:|---:|---|"]
+            for row in p["settings"]:
+                st = row["setting"]
+                out.append(f"| {_GEMM_NAMES.get(st['gemm'], st['gemm'])}, {st['threads']} | {row['latency_p50_ms']:,.1f} | "
+                           f"{row['sentences_per_s']:,.2f} | {row['runs']} | {'**yes**' if st == p['chosen'] else ''} |")
+            out += [f"- setting {e['setting']} failed: {failure_line(e['error'])}" for e in p.get("errors", [])]
+            if p["fastest_latency"] != p["chosen"] or p["fastest_throughput"] != p["chosen"]:
+                out.append("- the used setting was not the fastest on both figures: batch 1 "
+                           f"{_setting(p['fastest_latency'])}, batch {bs[-1]} {_setting(p['fastest_throughput'])}")
+            out.append("")
     sweep = {n: r["sweep"] for n, r in runtimes.items() if r.get("sweep")}
     if sweep:
         lengths = sorted({int(k) for sw in sweep.values() for k in sw})

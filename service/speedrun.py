@@ -11,6 +11,7 @@ issue's `targets`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +49,19 @@ class SpeedOptions:
     # Round-robin slots put minutes (the other runtimes) between the two sides of a ratio, and on
     # this host that drift decided batch-32 verdicts both ways (bench/README.md).
     paired_rounds: int = 0
+    # Before the rounds, each CTranslate2 peer's settings (bench.peers.ct2_settings: MKL or oneDNN,
+    # one thread or all) are each timed this many times over a short sample (`probe_spec`), and the
+    # fastest is the one every round uses; 0: CTranslate2's own choice with all the threads. The
+    # same thread count for every runtime left it 3-5x below its best on one machine.
+    ct2_probe_rounds: int = 2
 
     def __post_init__(self):
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if not isinstance(self.rounds, int) or self.rounds < 1:
             raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        if not isinstance(self.ct2_probe_rounds, int) or self.ct2_probe_rounds < 0:
+            raise ValueError(f"ct2_probe_rounds must be 0 (no probe) or a positive integer, got {self.ct2_probe_rounds!r}")
         if not isinstance(self.paired_rounds, int) or self.paired_rounds < 0:
             raise ValueError(f"paired_rounds must be 0 (no paired check) or a positive integer, got {self.paired_rounds!r}")
         if self.forced_tokens is not None and not 1 <= self.forced_tokens <= 511:
@@ -185,6 +193,43 @@ def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big
         "ours_ahead": ahead,
         "n": len(ratios),
     }
+
+
+# A setting probe times batch-1 latency over this many of the run's latency sentences and one
+# batch of the largest size: both figures a target can rest on, in a few seconds of work.
+PROBE_LATENCY_SENTENCES = 5
+
+
+def probe_spec(spec: Spec) -> Spec:
+    """The work of one probe run: PROBE_LATENCY_SENTENCES batch-1 calls and one batch of the largest
+    size, from the run's own sentences, lengths and threads."""
+    lat = spec.latency_idx[:PROBE_LATENCY_SENTENCES]
+    big = spec.batch_sizes[-1:]
+    return dataclasses.replace(spec, latency_idx=lat, batch_sizes=big, throughput_idx=spec.throughput_idx[: big[0]] if big else [],
+                               sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(lat)))
+
+
+def choose_setting(trials: list[dict]) -> dict:
+    """`trials`: [{"setting": {...}, "latency_p50_ms": x, "sentences_per_s": y}, ...], a setting
+    possibly several times -> each setting's best latency and best throughput over its trials, its
+    score (latency / throughput: both figures count alike, whatever their scale), and the setting
+    with the lowest score. Best-of, not median: noise only ever slows a run down."""
+    by_key: dict[str, dict] = {}
+    for t in trials:
+        key = json.dumps(t["setting"], sort_keys=True)
+        row = by_key.setdefault(key, {"setting": t["setting"], "latency_p50_ms": np.inf, "sentences_per_s": 0.0, "runs": 0})
+        row["latency_p50_ms"] = min(row["latency_p50_ms"], t["latency_p50_ms"])
+        row["sentences_per_s"] = max(row["sentences_per_s"], t["sentences_per_s"])
+        row["runs"] += 1
+    rows = list(by_key.values())
+    if not rows:
+        raise ValueError("no probe trial to choose from")
+    for row in rows:
+        row["score"] = row["latency_p50_ms"] / row["sentences_per_s"]
+    best = min(rows, key=lambda r: r["score"])
+    return {"chosen": best["setting"], "settings": rows,
+            "fastest_latency": min(rows, key=lambda r: r["latency_p50_ms"])["setting"],
+            "fastest_throughput": max(rows, key=lambda r: r["sentences_per_s"])["setting"]}
 
 
 def add_comparisons(results: dict, references: list[str | None]) -> None:

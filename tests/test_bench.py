@@ -321,6 +321,52 @@ def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
     assert "Rounds: 3, round-robin" in md and md.count(" / ") >= 6
 
 
+# --- CTranslate2's settings: probed on the machine, the fastest used ------------------------------
+
+
+def test_ct2_settings_cover_both_gemm_libraries_and_thread_counts():
+    from bench.peers import ct2_settings
+
+    assert ct2_settings(2) == [{"gemm": "mkl", "threads": 1}, {"gemm": "mkl", "threads": 2},
+                               {"gemm": "dnnl", "threads": 1}, {"gemm": "dnnl", "threads": 2}]
+    assert ct2_settings(1) == [{"gemm": "mkl", "threads": 1}, {"gemm": "dnnl", "threads": 1}]
+    assert [s["threads"] for s in ct2_settings(8)] == [1, 4, 8, 1, 4, 8]
+
+
+def test_choose_setting_takes_each_settings_best_and_the_lowest_latency_per_throughput():
+    from service.speedrun import choose_setting
+
+    mkl1, mkl2, dnnl2 = {"gemm": "mkl", "threads": 1}, {"gemm": "mkl", "threads": 2}, {"gemm": "dnnl", "threads": 2}
+    trials = [{"setting": mkl2, "latency_p50_ms": 200.0, "sentences_per_s": 90.0},
+              {"setting": dnnl2, "latency_p50_ms": 30.0, "sentences_per_s": 250.0},
+              {"setting": mkl1, "latency_p50_ms": 19.0, "sentences_per_s": 240.0},
+              {"setting": dnnl2, "latency_p50_ms": 24.0, "sentences_per_s": 230.0},  # a slower run of the same
+              {"setting": mkl2, "latency_p50_ms": 210.0, "sentences_per_s": 100.0}]
+    c = choose_setting(trials)
+    rows = {json.dumps(r["setting"], sort_keys=True): r for r in c["settings"]}
+    d = rows[json.dumps(dnnl2, sort_keys=True)]
+    assert (d["latency_p50_ms"], d["sentences_per_s"], d["runs"]) == (24.0, 250.0, 2)  # best of each figure
+    assert d["score"] == pytest.approx(24.0 / 250.0)
+    assert rows[json.dumps(mkl2, sort_keys=True)]["score"] == pytest.approx(200.0 / 100.0)
+    # mkl1: 19/240 = 0.079 beats dnnl2's 0.096; dnnl2 still has the best throughput, and that is said
+    assert c["chosen"] == mkl1 and c["fastest_latency"] == mkl1 and c["fastest_throughput"] == dnnl2
+    with pytest.raises(ValueError, match="no probe trial"):
+        choose_setting([])
+
+
+def test_probe_spec_times_a_few_single_sentences_and_one_largest_batch():
+    from service.protocol import Spec
+    from service.speedrun import PROBE_LATENCY_SENTENCES, probe_spec
+
+    spec = Spec(sentences=[f"s{i}" for i in range(40)], latency_idx=list(range(40)), throughput_idx=list(range(39, -1, -1)),
+                batch_sizes=[8, 32], max_new_tokens=40, forced_tokens=40, sweep_lengths=[8, 16], sweep_idx=[0, 1],
+                warmup=3, threads=2)
+    p = probe_spec(spec)
+    assert p.latency_idx == list(range(PROBE_LATENCY_SENTENCES)) and p.batch_sizes == [32]
+    assert p.throughput_idx == list(range(39, 7, -1)) and p.sweep_lengths == [] and p.warmup == 3
+    assert (p.sentences, p.forced_tokens, p.threads) == (spec.sentences, 40, 2)
+
+
 # --- --paired-rounds: a target between two runtimes decided within back-to-back pairs ------------
 
 
@@ -581,15 +627,36 @@ def test_table_of_a_beam_run_says_beam(beam_run, capsys):
 
 @pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it")
 def test_ctranslate2_peer_matches_pytorch(tiny_export_dir, peer_cache, tmp_path):
+    from bench import peers
     from bench.speed import run
     from service.speedrun import SpeedOptions
 
     pairs = default_sample(4)
-    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1, paired_rounds=2)
+    options = SpeedOptions(forced_tokens=4, batch_sizes=(2,), sweep_lengths=(), warmup=1, paired_rounds=2,
+                           ct2_probe_rounds=1)
     results = run(tiny_export_dir, pairs, options, tmp_path / "out", backend_names=["pytorch", "ort_fp32_kv_cache"],
                   peer_names=["ct2_float32", "ct2_int8"], peer_python=PEER_PYTHON, peer_cache=peer_cache,
                   log=lambda m: None)
     assert results["failed"] == {}
+    # Each CTranslate2 peer: its four settings probed once each, in its own process, the chosen one
+    # the one with the lowest latency per throughput, and every round and pair ran with it.
+    logs = tmp_path / "out" / "logs"
+    for name in ("ct2_float32", "ct2_int8"):
+        probe = results["ct2_settings"][name]
+        assert [r["setting"] for r in probe["settings"]] == peers.ct2_settings(2) and probe["errors"] == []
+        for row in probe["settings"]:
+            st = row["setting"]
+            own = json.loads((logs / f"probe.{name}.{st['gemm']}-{st['threads']}.1.json").read_text())
+            assert own["info"]["ct2_setting"] == st and own["info"]["threads"] == st["threads"]
+            # CTranslate2's own load log says the GEMM library asked for is the one it took
+            assert own["info"]["dispatch"]["Use Intel MKL"] == ("true" if st["gemm"] == "mkl" else "false")
+            assert own["info"]["dispatch"]["SGEMM backend"].startswith("MKL" if st["gemm"] == "mkl" else "DNNL")
+            assert row["latency_p50_ms"] == own["latency"]["p50"] and own["latency"]["n"] == 4
+        assert probe["chosen"] == min(probe["settings"], key=lambda r: r["latency_p50_ms"] / r["sentences_per_s"])["setting"]
+        assert results["runtimes"][name]["info"]["ct2_setting"] == probe["chosen"]
+        assert results["runtimes"][name]["command"][-4:] == peers.ct2_setting_args(probe["chosen"])
+    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    assert "## CTranslate2 settings, probed on this machine" in md and md.count("| **yes** |") == 2
     # The batch target against CTranslate2, decided by the paired check (ort_int8 did not run: its
     # target is not paired), with the round-robin ratio and the ORT graphs' own throughput beside it.
     rt = results["runtimes"]
@@ -619,7 +686,8 @@ def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, peer_c
     from bench.speed import run
     from service.speedrun import SpeedOptions
 
-    options = SpeedOptions(max_new_tokens=6, batch_sizes=(2,), sweep_lengths=(), warmup=1, floor=False)
+    options = SpeedOptions(max_new_tokens=6, batch_sizes=(2,), sweep_lengths=(), warmup=1, floor=False,
+                           ct2_probe_rounds=0)
     peers = ["optimum_fp32", "ct2_float32"]
     results = run(tiny_export_dir, default_sample(2), options, tmp_path / "out", backend_names=["pytorch"],
                   peer_names=peers, peer_python=PEER_PYTHON, peer_cache=peer_cache, log=lambda m: None,
@@ -629,6 +697,9 @@ def test_peers_in_their_environment_run_at_the_beam_size(tiny_export_dir, peer_c
     assert optimum["call"]["num_beams"] == 2 and optimum["decoding"] == {"num_beams": 2}
     # CTranslate2 reads no generation config: the export's length_penalty is passed to it.
     assert ct2["call"] == {"beam_size": 2, "length_penalty": 1.0}
+    # No probe: CTranslate2's own GEMM choice with the run's threads, as the command says.
+    assert "ct2_settings" not in results and ct2["info"]["ct2_setting"] == {"gemm": "auto", "threads": 2}
+    assert "--ct2-gemm" not in ct2["command"]
     assert optimum["comparison"]["identical_to_reference"] == 1.0  # generate() at beam 2, as our backends
     assert 0.0 <= ct2["comparison"]["identical_to_reference"] <= 1.0  # its own scoring: agreement, not identity
 
