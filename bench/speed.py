@@ -43,10 +43,12 @@ WHAT_IS_TIMED = (
     "so it includes the Python interpreter and the runtime library."
 )
 
+PROBE_AGAIN = 2.0  # after the first pass, only settings within this factor of the best score run again
 PROBE_RULE = (
     "each CTranslate2 setting (GEMM library: Intel MKL or oneDNN, via CT2_USE_MKL; threads: intra_threads and "
     "MKL/OpenMP threads, at most the run's) ran in its own process over {n} batch-1 sentences and one batch of the "
-    "largest size, each setting that many times, the order reversed every other time; the setting with the "
+    "largest size, each setting that many times (after the first pass only those within 2x of the best score), "
+    "the order reversed every other time; the setting with the "
     "lowest best batch-1 p50 divided by its best throughput was used in every round and pair"
 )
 
@@ -353,6 +355,10 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
     settings = peers_mod.ct2_settings(options.threads)
     trials, errors = [], []
     for k in range(options.ct2_probe_rounds):
+        if k and trials:  # a setting far behind after a pass is not timed again: MKL's int8 on an AMD EPYC took 50x oneDNN's
+            scores = {json.dumps(r["setting"], sort_keys=True): r["score"] for r in choose_setting(trials)["settings"]}
+            best = min(scores.values())
+            settings = [st for st in settings if scores.get(json.dumps(st, sort_keys=True), np.inf) <= PROBE_AGAIN * best]
         for setting in settings if k % 2 == 0 else settings[::-1]:
             tag = f"probe.{name}.{setting['gemm']}-{setting['threads']}.{k + 1}"
             out_json = out_dir / "logs" / f"{tag}.json"

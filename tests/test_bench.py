@@ -354,6 +354,33 @@ def test_choose_setting_takes_each_settings_best_and_the_lowest_latency_per_thro
         choose_setting([])
 
 
+def test_the_probe_times_again_only_settings_near_the_best(monkeypatch, tmp_path):
+    from bench import speed
+    from service.protocol import Spec
+    from service.speedrun import SpeedOptions
+
+    ran = []
+
+    def fake_run(cmd, out_json, log_path, threads, timeout):  # MKL 10x behind oneDNN, 1 thread failing for oneDNN
+        gemm, n = cmd[cmd.index("--ct2-gemm") + 1], int(cmd[cmd.index("--ct2-threads") + 1])
+        ran.append((gemm, n))
+        if (gemm, n) == ("dnnl", 1):
+            return {"error": "exit 1; boom"}
+        ms = (100.0 if gemm == "mkl" else 10.0) / n
+        return {"latency": {"p50": ms}, "throughput": {"32": {"sentences_per_s": 1000.0 / ms}}}
+
+    monkeypatch.setattr(speed, "_run_subprocess", fake_run)
+    (tmp_path / "logs").mkdir()
+    Spec(sentences=["a"] * 5, latency_idx=[0, 1, 2, 3, 4], throughput_idx=[0], batch_sizes=[32], max_new_tokens=4,
+         forced_tokens=4, sweep_lengths=[], sweep_idx=[], warmup=1, threads=2).save(tmp_path / "spec.json")
+    probe = speed._probe_ct2("ct2_int8", ["worker"], tmp_path / "spec.json", SpeedOptions(ct2_probe_rounds=3),
+                             tmp_path, log=lambda m: None)
+    # pass 1: all four; passes 2 and 3 (reversed, then forward): only oneDNN 2 threads is within 2x
+    assert ran == [("mkl", 1), ("mkl", 2), ("dnnl", 1), ("dnnl", 2), ("dnnl", 2), ("dnnl", 2)]
+    assert probe["chosen"] == {"gemm": "dnnl", "threads": 2} and len(probe["errors"]) == 1
+    assert [r["runs"] for r in probe["settings"]] == [1, 1, 3]
+
+
 def test_probe_spec_times_a_few_single_sentences_and_one_largest_batch():
     from service.protocol import Spec
     from service.speedrun import PROBE_LATENCY_SENTENCES, probe_spec
