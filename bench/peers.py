@@ -152,7 +152,7 @@ def ct2_settings(threads: int) -> list[dict]:
     """The CTranslate2 settings worth trying with at most `threads` threads: MKL and oneDNN, each
     with one thread and with all of them (1 and `threads`; at 4 or more, half of them too)."""
     counts = sorted({1, max(1, threads // 2), threads} if threads >= 4 else {1, threads})
-    return [{"gemm": g, "threads": t} for g in CT2_GEMMS[1:] for t in counts]
+    return [{"gemm": g, "threads": t} for g in CT2_GEMMS if g != "auto" for t in counts]
 
 
 def ct2_setting_args(setting: dict) -> list[str]:

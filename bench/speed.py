@@ -47,7 +47,7 @@ PROBE_AGAIN = 2.0  # after the first pass, only settings within this factor of t
 PROBE_RULE = (
     "each CTranslate2 setting (GEMM library: Intel MKL or oneDNN, via CT2_USE_MKL; threads: intra_threads and "
     "MKL/OpenMP threads, at most the run's) ran in its own process over {n} batch-1 sentences and one batch of the "
-    "largest size, each setting that many times (after the first pass only those within 2x of the best score), "
+    "largest size, each setting that many times (after the first pass only those within {again:g}x of the best score), "
     "the order reversed every other time; the setting with the "
     "lowest best batch-1 p50 divided by its best throughput was used in every round and pair"
 )
@@ -353,12 +353,14 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
     the probe spec, the order reversed every other round; the fastest is chosen (choose_setting).
     A setting that fails is reported and left out; all failing fails the peer."""
     settings = peers_mod.ct2_settings(options.threads)
+    big = str(options.batch_sizes[-1])
     trials, errors = [], []
     for k in range(options.ct2_probe_rounds):
         if k and trials:  # a setting far behind after a pass is not timed again: MKL's int8 on an AMD EPYC took 50x oneDNN's
-            scores = {json.dumps(r["setting"], sort_keys=True): r["score"] for r in choose_setting(trials)["settings"]}
-            best = min(scores.values())
-            settings = [st for st in settings if scores.get(json.dumps(st, sort_keys=True), np.inf) <= PROBE_AGAIN * best]
+            rows = choose_setting(trials)["settings"]
+            best = min(r["score"] for r in rows)
+            near = [r["setting"] for r in rows if r["score"] <= PROBE_AGAIN * best]  # a failed setting is in no row
+            settings = [st for st in settings if st in near]
         for setting in settings if k % 2 == 0 else settings[::-1]:
             tag = f"probe.{name}.{setting['gemm']}-{setting['threads']}.{k + 1}"
             out_json = out_dir / "logs" / f"{tag}.json"
@@ -368,14 +370,13 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
                 errors.append({"setting": setting, "error": r["error"]})
                 log(f"{name} setting probe: {setting} FAILED: {failure_line(r['error'])}")
                 continue
-            big = str(options.batch_sizes[-1])
             trials.append({"setting": setting, "latency_p50_ms": r["latency"]["p50"],
                            "sentences_per_s": r["throughput"][big]["sentences_per_s"]})
     if not trials:
         return {"error": "every CTranslate2 setting failed in the probe: "
                          + "; ".join(f"{e['setting']}: {failure_line(e['error'])}" for e in errors), "errors": errors}
     probe = {**choose_setting(trials), "trials": trials, "errors": errors, "rounds": options.ct2_probe_rounds,
-             "rule": PROBE_RULE.format(n=len(Spec.load(spec_path).latency_idx))}
+             "rule": PROBE_RULE.format(n=len(Spec.load(spec_path).latency_idx), again=PROBE_AGAIN)}
     log(f"{name} setting probe: " + ", ".join(
         f"{r['setting']['gemm']}/{r['setting']['threads']}t {r['latency_p50_ms']:.1f} ms, {r['sentences_per_s']:.1f} sent/s"
         for r in probe["settings"]) + f"; chosen {probe['chosen']['gemm']} with {probe['chosen']['threads']} thread(s)")

@@ -11,7 +11,6 @@ issue's `targets`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,9 +166,14 @@ def paired_spec(spec: Spec, decoding: dict) -> Spec:
     the largest batch size over the run's throughput sentences; beam: batch-1 latency over the first
     PAIRED_LATENCY_SENTENCES of the run's latency sentences. Same sentences, lengths and threads."""
     greedy = _greedy(decoding)
-    lat = [] if greedy else spec.latency_idx[:PAIRED_LATENCY_SENTENCES]
-    return dataclasses.replace(spec, latency_idx=lat, batch_sizes=spec.batch_sizes[-1:] if greedy else [],
-                               sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(lat)))
+    return _part_of(spec, [] if greedy else spec.latency_idx[:PAIRED_LATENCY_SENTENCES],
+                    spec.batch_sizes[-1:] if greedy else [], spec.throughput_idx)
+
+
+def _part_of(spec: Spec, latency_idx: list[int], batch_sizes: list[int], throughput_idx: list[int]) -> Spec:
+    """A part of a run's work (no sweep), warmed up on at most its own batch-1 sentences."""
+    return dataclasses.replace(spec, latency_idx=latency_idx, batch_sizes=batch_sizes, throughput_idx=throughput_idx,
+                               sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(latency_idx)))
 
 
 def paired_figure(result: dict, decoding: dict, big: str) -> float:
@@ -203,10 +207,8 @@ PROBE_LATENCY_SENTENCES = 5
 def probe_spec(spec: Spec) -> Spec:
     """The work of one probe run: PROBE_LATENCY_SENTENCES batch-1 calls and one batch of the largest
     size, from the run's own sentences, lengths and threads."""
-    lat = spec.latency_idx[:PROBE_LATENCY_SENTENCES]
     big = spec.batch_sizes[-1:]
-    return dataclasses.replace(spec, latency_idx=lat, batch_sizes=big, throughput_idx=spec.throughput_idx[: big[0]] if big else [],
-                               sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(lat)))
+    return _part_of(spec, spec.latency_idx[:PROBE_LATENCY_SENTENCES], big, spec.throughput_idx[: big[0]] if big else [])
 
 
 def choose_setting(trials: list[dict]) -> dict:
@@ -214,10 +216,9 @@ def choose_setting(trials: list[dict]) -> dict:
     possibly several times -> each setting's best latency and best throughput over its trials, its
     score (latency / throughput: both figures count alike, whatever their scale), and the setting
     with the lowest score. Best-of, not median: noise only ever slows a run down."""
-    by_key: dict[str, dict] = {}
+    by_key: dict[tuple, dict] = {}
     for t in trials:
-        key = json.dumps(t["setting"], sort_keys=True)
-        row = by_key.setdefault(key, {"setting": t["setting"], "latency_p50_ms": np.inf, "sentences_per_s": 0.0, "runs": 0})
+        row = by_key.setdefault(tuple(sorted(t["setting"].items())), {"setting": t["setting"], "latency_p50_ms": np.inf, "sentences_per_s": 0.0, "runs": 0})
         row["latency_p50_ms"] = min(row["latency_p50_ms"], t["latency_p50_ms"])
         row["sentences_per_s"] = max(row["sentences_per_s"], t["sentences_per_s"])
         row["runs"] += 1
