@@ -17,7 +17,8 @@ FORMAT = "marian-onnx-export"
 # 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
 # 3: "generation": the model's own generation config, the decoding defaults (beam search, penalties)
 # 4: attention cores as ONNX Runtime's MultiHeadAttention (export/rewrite.fuse_attention)
-FORMAT_VERSION = 4
+# 5: the decoder's cache appended inside MultiHeadAttention, q/k/v projections packed (export/rewrite.py)
+FORMAT_VERSION = 5
 FORMAT_CHANGE = "attention cores fused into ONNX Runtime's MultiHeadAttention, same numbers, faster at batch 1"
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 # A Marian export's tokenizer files; other families list theirs in the sidecar's "tokenizer" section.

@@ -263,7 +263,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 rewrites.setdefault(name, {}).update(fused[""])
                 rewrites[f"{name}_fp16"] = fused["_fp16"]
 
-        steps.run("fuse each attention core into one MultiHeadAttention (fp32, fp16)", fuse)
+        steps.run("fuse each attention core into one MultiHeadAttention, with its cache and packed q/k/v (fp32, fp16)", fuse)
 
         def to_int8():
             reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")

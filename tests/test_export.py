@@ -230,6 +230,76 @@ def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_mod
             assert x.shape == y.shape and np.array_equal(x, y), name
 
 
+
+def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_dir, tmp_path):
+    """After fuse_attention: the decoder's cache appended by MultiHeadAttention itself and every
+    attention's q/k/v as one MatMul + Split. Non-zero biases (the tiny model's are zero), padded
+    source rows, an empty and a non-empty past; every output bit-identical, nodes really gone."""
+    import copy
+
+    import torch
+
+    from backends.ort_session import SessionConfig, disabled_optimizers, session_options
+    from export import graphs
+    from export.rewrite import append_cache_in_attention, fuse_attention, pack_qkv
+    from export.source import load_source
+
+    model, _, _, family, _ = load_source(str(tiny_model_dir))
+    config = model.config
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    specs = graphs.graph_specs(config)
+    settings = SessionConfig(threads=2)
+
+    def run(m, feeds):
+        session = ort.InferenceSession(m.SerializeToString(), session_options(settings), providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=disabled_optimizers(settings))
+        return session.run(None, feeds)
+
+    rng = np.random.default_rng(1)
+    b, s = 3, 7
+    mask = np.ones((b, s), dtype=np.int64)
+    mask[1, 4:], mask[2, 2:] = 0, 0
+    ids = np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id)
+    layers = {"encoder": config.encoder_layers, "decoder": config.decoder_layers}
+    cross = None
+    for name, heads in (("encoder", config.encoder_attention_heads), ("decoder", config.decoder_attention_heads)):
+        fused = onnx.load(str(graphs.export_graph(model, family, config, specs[name], tmp_path, graphs.DEFAULT_OPSET)))
+        fuse_attention(fused, heads)
+        rewritten = copy.deepcopy(fused)
+        cache, packed = append_cache_in_attention(rewritten)["cache"], pack_qkv(rewritten)["packed"]
+        # the encoder has no cache; every self-attention (not the cross-attention) has one input to pack
+        assert len(cache) == (layers["decoder"] if name == "decoder" else 0)
+        assert len(packed) == layers[name]
+        assert _ops_count(rewritten, "Concat") == _ops_count(fused, "Concat") - 2 * len(cache)
+        assert _ops_count(rewritten, "MatMul") == _ops_count(fused, "MatMul") - 2 * len(packed)
+        assert _ops_count(rewritten, "Split") == len(packed)
+        with_cache = [n for n in rewritten.graph.node if n.op_type == "MultiHeadAttention" and len(n.output) == 3]
+        assert len(with_cache) == len(cache) and all(n.input[6].startswith("past") for n in with_cache)
+        assert {n.output[1] for n in with_cache} | {n.output[2] for n in with_cache} == {
+            o.name for o in rewritten.graph.output if o.name.startswith("present")}
+        if name == "encoder":
+            feeds = [{"input_ids": ids, "attention_mask": mask}]
+        else:
+            h, d = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+            feeds = []
+            for past in (0, 5):
+                f = {"input_ids": ids[:, :1], "encoder_attention_mask": mask}
+                f.update(zip((x.name for x in fused.graph.input if x.name.startswith("cross")), cross))
+                f.update({x.name: rng.standard_normal((b, h, past, d)).astype(np.float32)
+                          for x in fused.graph.input if x.name.startswith("past")})
+                feeds.append(f)
+        for f in feeds:
+            before, after = run(fused, f), run(rewritten, f)
+            for x, y in zip(before, after, strict=True):
+                assert x.shape == y.shape and np.array_equal(x, y), name
+            assert max(float(np.abs(x).max()) for x in before[1:]) > 0
+        if name == "encoder":
+            cross = before[1:]
+
 def _ops_count(model, op: str) -> int:
     return sum(n.op_type == op for n in model.graph.node)
 
