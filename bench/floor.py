@@ -12,6 +12,13 @@ median of 7 passes after a warm-up; the fastest sets the floor, so the floor err
 demanding side. Bytes per step are the decoder graph's initializers (all of them are read every step,
 the tied embedding/output table included; the cross-attention keys/values come from the encoder
 once per sentence and are not weights).
+
+What ONNX Runtime's own kernels can do against that floor is measured too (`matmuls_alone`): the
+decoder graph's weight products alone, each on its own weights, in the graph's order, each fed
+the previous product of matching width (a chain, as in the step), in one ORT session with the
+backends' settings: fp32 MatMuls, and for the int8 graph DynamicQuantizeMatMul (what ORT fuses
+its quantized MatMuls into). Nothing else of the step runs, so a backend cannot come closer to
+the floor than this; a target below it is out of reach of those kernels on this machine.
 """
 
 from __future__ import annotations
@@ -77,6 +84,76 @@ def read_bandwidth_gbps(threads: int, mb: int = PROBE_MB, passes: int = 7) -> di
             "note": "numpy's BLAS runs with its default thread count (every core); torch and ORT with `threads`"}
 
 
+def _matmul_chain(path: Path):
+    """The graph's weight products alone, chained (see the module docstring): (model, input width)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path))
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes, used, width, last = [], [], None, None
+    latest: dict[int, str] = {}  # width -> the latest product of that width
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits and inits[node.input[1]].data_type == TensorProto.FLOAT:
+            weights = [node.input[1]]
+            k, n = inits[node.input[1]].dims
+            op, domain = "MatMul", ""
+        elif node.op_type == "MatMulInteger" and node.input[1] in inits and node.input[1].endswith("_quantized"):
+            scale = node.input[1][: -len("_quantized")] + "_scale"
+            if scale not in inits or len(node.input) < 4 or node.input[3] not in inits:
+                continue
+            weights = [node.input[1], scale, node.input[3]]
+            k, n = inits[node.input[1]].dims
+            op, domain = "DynamicQuantizeMatMul", "com.microsoft"
+        else:
+            continue
+        if width is None:
+            width = k
+            latest[k] = "x"
+        if k not in latest:
+            raise ValueError(f"{path.name}: a weight product of width {k} has no input of that width before it")
+        last = f"y{len(nodes)}"
+        nodes.append(helper.make_node(op, [latest[k], *weights], [last], domain=domain))
+        latest[n] = last
+        used += weights
+    if not nodes:
+        raise ValueError(f"{path.name}: no weight products (MatMul or MatMulInteger with initializer weights)")
+    graph = helper.make_graph(
+        nodes, "matmuls_alone", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, width])],
+        [helper.make_tensor_value_info(last, TensorProto.FLOAT, None)],
+        [inits[name] for name in dict.fromkeys(used)],
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets), width, len(nodes)
+
+
+def matmuls_alone_ms(path: Path, threads: int, passes: int = 7, min_seconds: float = 0.2) -> dict:
+    """Median ms of one pass through the graph's weight products alone (ORT, `threads`)."""
+    import onnxruntime as ort
+
+    from backends.ort_session import SessionConfig, session_options
+
+    model, width, count = _matmul_chain(Path(path))
+    session = ort.InferenceSession(model.SerializeToString(), session_options(SessionConfig(threads=threads)),
+                                   providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal((1, 1, width)).astype(np.float32)
+    out = session.get_outputs()[0].name
+    session.run([out], {"x": x})  # warm-up: weights pre-packed, pages faulted in
+    start, runs = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds or runs < 3:
+        session.run([out], {"x": x})
+        runs += 1
+    ms = []
+    for _ in range(passes):
+        time.sleep(0.05)  # the bandwidth probes' BLAS threads may still spin: let them settle
+        start = time.perf_counter()
+        for _ in range(runs):
+            session.run([out], {"x": x})
+        ms.append((time.perf_counter() - start) / runs * 1e3)
+    return {"ms": round(statistics.median(ms), 4), "best_ms": round(min(ms), 4), "products": count,
+            "runs_per_pass": runs, "passes": passes}
+
+
 def weight_bytes(path: Path) -> int:
     """Bytes of a graph's initializers (weights), from the file without loading the tensors twice."""
     import onnx
@@ -98,10 +175,14 @@ def floors(export_dir: Path, manifest, threads: int) -> dict:
     for name in ("decoder", "decoder_int8"):
         if name not in manifest.data["graphs"]:
             continue
-        nbytes = weight_bytes(Path(export_dir) / manifest.graph(name)["file"])
+        path = Path(export_dir) / manifest.graph(name)["file"]
+        nbytes = weight_bytes(path)
+        floor_ms = nbytes / 2**30 / bw["gb_per_s"] * 1e3
+        alone = matmuls_alone_ms(path, threads)
         out["graphs"][name] = {
             "weight_mb": round(nbytes / 2**20, 3),
-            "floor_ms_per_token": round(nbytes / 2**30 / bw["gb_per_s"] * 1e3, 4),
+            "floor_ms_per_token": round(floor_ms, 4),
+            "matmuls_alone": {**alone, "x_floor": round(alone["ms"] / floor_ms, 3)},
         }
     return out
 

@@ -161,9 +161,15 @@ def render_speed(results: dict) -> str:
                 f"Read bandwidth, {fl['bandwidth']['threads']} threads, {fl['bandwidth']['probe_mb']} MB, median of "
                 f"{fl['bandwidth']['passes']}" + (f", measured again at {fl['measured_at']}" if fl.get("measured_at") else "")
                 + f": {probes}; the fastest sets the floor. A decoder step reads every weight "
-                "once, so per token no runtime can beat weight bytes / bandwidth (bench/floor.py).", "",
-                "| decoder graph | weights read per step MB | floor ms/token |", "|---|---:|---:|"]
-        out += [f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} |" for g, v in fl["graphs"].items()]
+                "once, so per token no runtime can beat weight bytes / bandwidth (bench/floor.py). ORT's weight "
+                "products alone: the graph's MatMuls (int8: DynamicQuantizeMatMul) on their own weights, chained, "
+                "nothing else of the step: no ORT backend can come closer to the floor than they do.", "",
+                "| decoder graph | weights read per step MB | floor ms/token | ORT's weight products alone ms | x floor |",
+                "|---|---:|---:|---:|---:|"]
+        for g, v in fl["graphs"].items():
+            alone = v.get("matmuls_alone")  # absent in runs made before it was measured
+            cells = f"{alone['ms']:.2f} | {alone['x_floor']:.2f}" if alone else "– | –"
+            out.append(f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} | {cells} |")
     if results.get("targets"):
         out += ["", "## Speed targets (issue #16), measured in this run", "", "| target | measured | held? |",
                 "|---|---|---|"]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from backends import MAX_BEAMS
@@ -173,8 +174,51 @@ def test_speed_measures_the_bandwidth_floor_and_checks_the_targets(speed_run, ti
     ct2 = targets["ort_int8, batch 4: at least CTranslate2 int8's throughput"]
     assert ct2["held"] is None and "not measured" in ct2["measured"]
     assert not any("beam" in t for t in targets)  # a greedy run checks no beam target
+    # ORT's weight products alone, for both graphs, against the same floor.
+    for name, graph in (("decoder", decoder), ("decoder_int8", floor["graphs"]["decoder_int8"])):
+        model = onnx.load(str(tiny_export_dir / f"{name}.onnx"))
+        inits = {i.name for i in model.graph.initializer}
+        op = "MatMulInteger" if name.endswith("int8") else "MatMul"
+        products = sum(n.op_type == op and n.input[1] in inits for n in model.graph.node)
+        alone = graph["matmuls_alone"]
+        assert alone["products"] == products > 0 and alone["ms"] > 0
+        unrounded_floor = graph["weight_mb"] / 1024 / bw * 1e3  # the tiny graph's floor is a few microseconds
+        assert alone["x_floor"] == pytest.approx(alone["ms"] / unrounded_floor, rel=0.01, abs=2e-3)
+    assert f"ORT's weight products alone: {decoder['matmuls_alone']['ms']:.2f} ms" in kv["measured"]
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "## Memory-bandwidth floor" in md and "## Speed targets" in md
+    assert f"| `decoder` | {decoder['weight_mb']:,} | {decoder['floor_ms_per_token']:.2f} | " \
+           f"{decoder['matmuls_alone']['ms']:.2f} | {decoder['matmuls_alone']['x_floor']:.2f} |" in md
+
+
+def test_the_weight_products_alone_compute_the_chain_of_the_graphs_weights(tiny_export_dir):
+    """bench.floor's chain multiplies exactly the decoder's weights, in its order: its output equals
+    numpy's products chained the same way (fp32), and the int8 chain stays close to it."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from bench.floor import _matmul_chain
+
+    model = onnx.load(str(tiny_export_dir / "decoder.onnx"))
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    chain, width, count = _matmul_chain(tiny_export_dir / "decoder.onnx")
+    x = np.random.default_rng(0).standard_normal((1, 1, width)).astype(np.float32)
+    latest = {width: x}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in weights:
+            w = weights[node.input[1]]
+            y = latest[w.shape[0]] @ w
+            latest[w.shape[1]] = y
+    expected = y
+    got = ort.InferenceSession(chain.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert count == sum(n.op_type == "MatMul" and n.input[1] in weights for n in model.graph.node)
+    assert got.shape == expected.shape and np.allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    chain8, width8, count8 = _matmul_chain(tiny_export_dir / "decoder_int8.onnx")
+    assert (width8, count8) == (width, count)
+    got8 = ort.InferenceSession(chain8.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    # int8 weights and activations: the same products up to quantization error
+    assert got8.shape == expected.shape
+    assert np.corrcoef(got8.ravel(), expected.ravel())[0, 1] > 0.9
 
 
 def test_readme_table_has_ratios(speed_run, capsys):
