@@ -166,13 +166,16 @@ def weight_bytes(path: Path) -> int:
     return total
 
 
-def floors(export_dir: Path, manifest, threads: int) -> dict:
+FLOOR_GRAPHS = ("decoder", "decoder_int8")
+
+
+def floors(export_dir: Path, manifest, threads: int, graphs: tuple[str, ...] = FLOOR_GRAPHS) -> dict:
     """Per decoder graph: bytes read per step and the resulting ms/token floor at this bandwidth."""
     bw = read_bandwidth_gbps(threads)
     out = {"bandwidth": bw, "graphs": {}}
     # Not fp16: ONNX Runtime's CPU provider computes it in fp32 through inserted Casts, so its
     # file's bytes are not what a step reads.
-    for name in ("decoder", "decoder_int8"):
+    for name in graphs:
         if name not in manifest.data["graphs"]:
             continue
         path = Path(export_dir) / manifest.graph(name)["file"]

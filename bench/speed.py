@@ -29,6 +29,8 @@ from service.speedrun import (SpeedOptions, add_comparisons, choose_setting, dec
 from . import floor as floor_mod, peers as peers_mod
 from .data import REPO, default_backends
 
+FLOOR_OF = {"ort_fp32_kv_cache": "decoder", "ort_int8": "decoder_int8"}  # runtimes with a floor target: its graph
+
 # `--quick`: small, stated samples so the opus-sized run with peers fits in about 15 minutes.
 QUICK = dict(latency_sentences=40, throughput_sentences=64, sweep_sentences=3)
 
@@ -250,6 +252,9 @@ def run(
             cmd = [*cmd, *peers_mod.ct2_setting_args(probe["chosen"])]
             jobs[k] = (name, cmd, sweeps, {**extra, "command": cmd})
 
+    # The batch-1 floor targets (greedy, forced lengths) compare each round with a floor measured
+    # just before it; the end-of-run floor stays for the report's table.
+    floor_beside_rounds = options.floor and bool(options.forced_tokens) and decoding["search"] == "greedy"
     per_round: dict[str, list[dict]] = {}
     for round_ in range(options.rounds):
         for name, cmd, sweeps, extra in jobs:
@@ -261,6 +266,15 @@ def run(
             # The output-length sweep is timed in the first round only: it is a curve, not a ratio.
             spec = spec_path if sweeps and round_ == 0 else spec_nosweep_path
             out_json = out_dir / "logs" / f"{tag}.json"
+            beside = None
+            if floor_beside_rounds and name in FLOOR_OF:
+                # This host's read bandwidth swings by up to 1.5x within an hour: a floor taken at the
+                # end of the run can be minutes and a different machine state away from the round.
+                graph = FLOOR_OF[name]
+                measured = floor_mod.floors(export_dir, manifest, options.threads, graphs=(graph,))
+                beside = {"gb_per_s": measured["bandwidth"]["gb_per_s"], **measured["graphs"][graph]}
+                log(f"{name}: floor just before this round: {beside['floor_ms_per_token']:.2f} ms/token "
+                    f"({beside['gb_per_s']} GB/s); ORT's weight products alone {beside['matmuls_alone']['ms']:.2f} ms")
             r = _run_subprocess([*cmd, "--spec", str(spec), "--out", str(out_json)], out_json,
                                 out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
             if "error" in r:
@@ -268,6 +282,8 @@ def run(
                 per_round.pop(name, None)
                 log(f"{name}: FAILED: {failure_line(r['error'])}")
                 continue
+            if beside is not None:
+                r["floor_beside"] = beside
             per_round.setdefault(name, []).append({**r, **extra})
             _log_result(name, r, log)
     runtimes = {name: merge_rounds(rs) for name, rs in per_round.items()}
@@ -415,7 +431,10 @@ def merge_rounds(rounds: list[dict]) -> dict:
         if "engine_seconds" in first:
             merged["throughput"][batch]["engine_seconds"] = med([r["throughput"][batch]["engine_seconds"] for r in rounds])
     merged["rounds"] = [
-        {"b1_p50_ms": r["latency"]["p50"], **{f"b{b}_sent_per_s": t["sentences_per_s"] for b, t in r["throughput"].items()}}
+        {"b1_p50_ms": r["latency"]["p50"], **{f"b{b}_sent_per_s": t["sentences_per_s"] for b, t in r["throughput"].items()},
+         **({"ms_per_token_p50": r["latency"].get("ms_per_token_p50"),
+             "engine_ms_per_token_p50": r["latency"].get("engine_ms_per_token_p50"),
+             "floor_beside": r["floor_beside"]} if "floor_beside" in r else {})}
         for r in rounds
     ]
     return merged
