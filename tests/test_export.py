@@ -183,12 +183,28 @@ def test_every_attention_core_is_one_multi_head_attention(tiny_export_dir):
     assert [a["bias"] for a in fused["decoder"]["attention"]] == [False, True] * layers[0]  # padding: cross only
 
 
+def _run_graph(model, feeds):
+    """Every output of an in-memory graph, in a session made as the backends make theirs."""
+    from backends.ort_session import SessionConfig, disabled_optimizers, session_options
+
+    settings = SessionConfig(threads=2)
+    session = ort.InferenceSession(model.SerializeToString(), session_options(settings), providers=["CPUExecutionProvider"],
+                                   disabled_optimizers=disabled_optimizers(settings))
+    return session.run(None, feeds)
+
+
+def _padded_source(config, rng, b: int = 3, s: int = 7):
+    """(ids, mask) of b source rows, two of them padded."""
+    mask = np.ones((b, s), dtype=np.int64)
+    mask[1, 4:], mask[2, 2:] = 0, 0
+    return np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id), mask
+
+
 def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_model_dir, tmp_path):
     """The encoder and decoder as the exporter writes them, then fused: every output bit-identical,
     with padded source rows and a non-empty past."""
     import copy
 
-    from backends.ort_session import SessionConfig, disabled_optimizers, session_options
     from export import graphs
     from export.rewrite import fuse_attention
     from export.source import load_source
@@ -196,18 +212,9 @@ def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_mod
     model, _, _, family, _ = load_source(str(tiny_model_dir))
     config = model.config
     specs = graphs.graph_specs(config)
-    settings = SessionConfig(threads=2)
-
-    def run(m, feeds):
-        session = ort.InferenceSession(m.SerializeToString(), session_options(settings), providers=["CPUExecutionProvider"],
-                                       disabled_optimizers=disabled_optimizers(settings))
-        return session.run(None, feeds)
-
     rng = np.random.default_rng(0)
-    b, s = 3, 7
-    mask = np.ones((b, s), dtype=np.int64)
-    mask[1, 4:], mask[2, 2:] = 0, 0
-    ids = np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id)
+    b = 3
+    ids, mask = _padded_source(config, rng, b)
     results = {}
     for name, heads in (("encoder", config.encoder_attention_heads), ("decoder", config.decoder_attention_heads)):
         exported = onnx.load(str(graphs.export_graph(model, family, config, specs[name], tmp_path, graphs.DEFAULT_OPSET)))
@@ -224,7 +231,7 @@ def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_mod
                 feeds[inp] = cross[i]
             for inp in (x.name for x in exported.graph.input if x.name.startswith("past")):
                 feeds[inp] = rng.standard_normal((b, h, 5, d)).astype(np.float32)
-        before, after = run(exported, feeds), run(fused, feeds)
+        before, after = _run_graph(exported, feeds), _run_graph(fused, feeds)
         results[name] = before
         for x, y in zip(before, after, strict=True):
             assert x.shape == y.shape and np.array_equal(x, y), name
@@ -239,7 +246,6 @@ def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_d
 
     import torch
 
-    from backends.ort_session import SessionConfig, disabled_optimizers, session_options
     from export import graphs
     from export.rewrite import append_cache_in_attention, fuse_attention, pack_qkv
     from export.source import load_source
@@ -252,18 +258,9 @@ def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_d
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.5)
     specs = graphs.graph_specs(config)
-    settings = SessionConfig(threads=2)
-
-    def run(m, feeds):
-        session = ort.InferenceSession(m.SerializeToString(), session_options(settings), providers=["CPUExecutionProvider"],
-                                       disabled_optimizers=disabled_optimizers(settings))
-        return session.run(None, feeds)
-
     rng = np.random.default_rng(1)
-    b, s = 3, 7
-    mask = np.ones((b, s), dtype=np.int64)
-    mask[1, 4:], mask[2, 2:] = 0, 0
-    ids = np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id)
+    b = 3
+    ids, mask = _padded_source(config, rng, b)
     layers = {"encoder": config.encoder_layers, "decoder": config.decoder_layers}
     cross = None
     for name, heads in (("encoder", config.encoder_attention_heads), ("decoder", config.decoder_attention_heads)):
@@ -293,7 +290,7 @@ def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_d
                           for x in fused.graph.input if x.name.startswith("past")})
                 feeds.append(f)
         for f in feeds:
-            before, after = run(fused, f), run(rewritten, f)
+            before, after = _run_graph(fused, f), _run_graph(rewritten, f)
             for x, y in zip(before, after, strict=True):
                 assert x.shape == y.shape and np.array_equal(x, y), name
             assert max(float(np.abs(x).max()) for x in before[1:]) > 0
