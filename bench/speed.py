@@ -23,13 +23,12 @@ from corpus import Pair
 from service.environment import environment
 from service.protocol import Spec
 from service.reports import failure_line, write
-from service.speedrun import (SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec, model_info,
-                               paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs, target_pairs)
+from service.speedrun import (FLOOR_TARGETS, SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec,
+                               model_info, paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs,
+                               target_pairs)
 
 from . import floor as floor_mod, peers as peers_mod
 from .data import REPO, default_backends
-
-FLOOR_OF = {"ort_fp32_kv_cache": "decoder", "ort_int8": "decoder_int8"}  # runtimes with a floor target: its graph
 
 # `--quick`: small, stated samples so the opus-sized run with peers fits in about 15 minutes.
 QUICK = dict(latency_sentences=40, throughput_sentences=64, sweep_sentences=3)
@@ -255,6 +254,7 @@ def run(
     # The batch-1 floor targets (greedy, forced lengths) compare each round with a floor measured
     # just before it; the end-of-run floor stays for the report's table.
     floor_beside_rounds = options.floor and bool(options.forced_tokens) and decoding["search"] == "greedy"
+    floor_of = {name: graph for name, graph, _ in FLOOR_TARGETS}
     per_round: dict[str, list[dict]] = {}
     for round_ in range(options.rounds):
         for name, cmd, sweeps, extra in jobs:
@@ -267,10 +267,10 @@ def run(
             spec = spec_path if sweeps and round_ == 0 else spec_nosweep_path
             out_json = out_dir / "logs" / f"{tag}.json"
             beside = None
-            if floor_beside_rounds and name in FLOOR_OF:
+            if floor_beside_rounds and name in floor_of:
                 # This host's read bandwidth swings by up to 1.5x within an hour: a floor taken at the
                 # end of the run can be minutes and a different machine state away from the round.
-                graph = FLOOR_OF[name]
+                graph = floor_of[name]
                 measured = floor_mod.floors(export_dir, manifest, options.threads, graphs=(graph,))
                 beside = {"gb_per_s": measured["bandwidth"]["gb_per_s"], **measured["graphs"][graph]}
                 log(f"{name}: floor just before this round: {beside['floor_ms_per_token']:.2f} ms/token "

@@ -305,13 +305,6 @@ def claims(results: dict) -> list[dict]:
     return out
 
 
-# Performance round 2's targets (issue 16), checked on every run where the runtimes they name took
-# part: greedy runs check batch-`big` throughput against CTranslate2 and, with forced output
-# lengths, batch-1 ms per token against the memory-bandwidth floor; beam runs check batch-1
-# latency against generate(num_beams=N) and CTranslate2's beam_size=N. Each of our figures comes
-# with the engine's alone (the graphs, the decoding loop's own work excluded), so a target that
-# does not hold says whether a faster loop could reach it. A target between two runtimes is
-# decided by the run's paired check when it has one (`results["paired"]`, SpeedOptions.paired_rounds).
 def floor_beside_rounds(runtime: dict) -> list[dict]:
     """Per round of a runtime, its batch-1 ms/token against the floor measured just before that
     round (bench/speed.py): [{ms_per_token, floor_ms, x_floor, engine_x_floor, alone_x_floor}], or
@@ -346,6 +339,17 @@ def _beside_text(value: float, rounds: list[dict]) -> str:
     return text + f"; ORT's weight products alone {med('alone_x_floor'):.2f}x ({span('alone_x_floor')})"
 
 
+# The batch-1 floor targets: runtime, the decoder graph whose weights set its floor, the limit.
+FLOOR_TARGETS = ((KV, "decoder", 1.15), (I8, "decoder_int8", 1.3))
+
+
+# Performance round 2's targets (issue 16), checked on every run where the runtimes they name took
+# part: greedy runs check batch-`big` throughput against CTranslate2 and, with forced output
+# lengths, batch-1 ms per token against the memory-bandwidth floor; beam runs check batch-1
+# latency against generate(num_beams=N) and CTranslate2's beam_size=N. Each of our figures comes
+# with the engine's alone (the graphs, the decoding loop's own work excluded), so a target that
+# does not hold says whether a faster loop could reach it. A target between two runtimes is
+# decided by the run's paired check when it has one (`results["paired"]`, SpeedOptions.paired_rounds).
 def targets(results: dict) -> list[dict]:
     rt, big = results["runtimes"], str(results["options"]["batch_sizes"][-1])
     floor = results["environment"].get("floor", {}).get("graphs", {})
@@ -397,7 +401,7 @@ def targets(results: dict) -> list[dict]:
             check(f"{ours}, batch {big}: at least {label}'s throughput", ratio(thr(ours), thr(peer)), 1.0, True, fmt,
                   (ours, peer))
         if results["options"].get("forced_tokens"):
-            for name, graph, limit in ((kv, "decoder", 1.15), (i8, "decoder_int8", 1.3)):
+            for name, graph, limit in FLOOR_TARGETS:
                 text = f"{name}, batch 1: ms per token within {limit}x of the memory-bandwidth floor"
                 beside = floor_beside_rounds(rt.get(name, {}))
                 if beside:
