@@ -19,6 +19,14 @@ the previous product of matching width (a chain, as in the step), in one ORT ses
 backends' settings: fp32 MatMuls, and for the int8 graph DynamicQuantizeMatMul (what ORT fuses
 its quantized MatMuls into). Nothing else of the step runs, so a backend cannot come closer to
 the floor than this; a target below it is out of reach of those kernels on this machine.
+
+And the rest of the step on its own (`others_alone`): the decoder graph as ONNX Runtime optimizes
+it for the backends, with every weight product taken out and its result fed in as an input
+instead: attention, layer norms, residual adds, activations, the embedding lookup, and ORT's own
+per-node and per-run work, at batch 1 with a cache of OTHERS_PAST positions and a source of
+OTHERS_SOURCE tokens (the middle of a 40-token benchmark decode). Products alone plus the rest
+alone is what ORT's kernels need for the step without any loop around it: where that sum is above
+a target, no change to our decoding loop can reach it with this graph.
 """
 
 from __future__ import annotations
@@ -138,20 +146,105 @@ def matmuls_alone_ms(path: Path, threads: int, passes: int = 7, min_seconds: flo
                                    providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((1, 1, width)).astype(np.float32)
     out = session.get_outputs()[0].name
-    session.run([out], {"x": x})  # warm-up: weights pre-packed, pages faulted in
+    return {**_time_runs(lambda: session.run([out], {"x": x}), passes, min_seconds), "products": count}
+
+
+OTHERS_PAST, OTHERS_SOURCE = 20, 24
+_PRODUCTS = ("MatMul", "DynamicQuantizeMatMul")  # what ORT's optimizer leaves of a weight product
+
+
+def _without_products(path: Path, threads: int, workdir: Path):
+    """ORT's optimized graph of `path` with each weight product (MatMul / DynamicQuantizeMatMul on an
+    initializer) taken out, its output a graph input: (model, {input: (1, 1, N)}, products taken)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from backends.ort_session import SessionConfig, session_options
+
+    options = session_options(SessionConfig(threads=threads))
+    options.optimized_model_filepath = str(workdir / "optimized.onnx")
+    # external data: a 600M-parameter decoder is near protobuf's 2 GB limit
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = onnx.load(str(workdir / "optimized.onnx"), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    nodes, fed, taken = [], {}, 0
+    for node in model.graph.node:
+        if node.op_type in _PRODUCTS and node.input[1] in inits:
+            name = node.output[0]
+            if name in outputs:  # the logits: an input cannot also be the output, so copy it there
+                nodes.append(helper.make_node("Identity", [name + ".product"], [name]))
+                name += ".product"
+            fed[name] = (1, 1, int(inits[node.input[1]].dims[-1]))
+            taken += 1
+        else:
+            nodes.append(node)
+    if not taken:
+        raise ValueError(f"{Path(path).name}: no weight products (MatMul or DynamicQuantizeMatMul on an initializer)")
+    used = {i for n in nodes for i in n.input}
+    graph = helper.make_graph(
+        nodes, "others_alone",
+        [*model.graph.input, *(helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in fed.items())],
+        list(model.graph.output), [i for i in model.graph.initializer if i.name in used],
+    )
+    out = helper.make_model(graph, opset_imports=model.opset_import)
+    out.ir_version = model.ir_version
+    onnx.load_external_data_for_model(out, str(workdir))
+    return out, fed, taken
+
+
+def _decoder_feeds(session, past: int, source: int, rng) -> dict:
+    """Batch-1 feeds for a decoder session: symbolic dims named like a source length get `source`,
+    other symbolic dims but the batch get `past`; ids 0 and a mask of ones."""
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else 1 if d == "batch" else source if "src" in str(d) else past
+                 for d in i.shape]
+        if i.type == "tensor(int64)":
+            feeds[i.name] = (np.ones if "mask" in i.name else np.zeros)(shape, dtype=np.int64)
+        else:
+            dtype = np.float16 if i.type == "tensor(float16)" else np.float32
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def others_alone_ms(path: Path, threads: int, passes: int = 7, min_seconds: float = 0.2) -> dict:
+    """Median ms of the decoder step without its weight products (see the module docstring)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    from backends.ort_session import SessionConfig, session_options
+
+    with tempfile.TemporaryDirectory(prefix="others-alone-") as tmp:
+        model, fed, taken = _without_products(Path(path), threads, Path(tmp))
+    session = ort.InferenceSession(model.SerializeToString(), session_options(SessionConfig(threads=threads)),
+                                   providers=["CPUExecutionProvider"])
+    feeds = _decoder_feeds(session, OTHERS_PAST, OTHERS_SOURCE, np.random.default_rng(0))
+    out = [o.name for o in session.get_outputs()]
+    timing = _time_runs(lambda: session.run(out, feeds), passes, min_seconds)
+    return {**timing, "products_taken": taken, "nodes": len(model.graph.node), "past": OTHERS_PAST,
+            "source": OTHERS_SOURCE}
+
+
+def _time_runs(run, passes: int, min_seconds: float) -> dict:
+    run()  # warm-up: weights pre-packed, pages faulted in
     start, runs = time.perf_counter(), 0
     while time.perf_counter() - start < min_seconds or runs < 3:
-        session.run([out], {"x": x})
+        run()
         runs += 1
     ms = []
     for _ in range(passes):
         time.sleep(0.05)  # the bandwidth probes' BLAS threads may still spin: let them settle
         start = time.perf_counter()
         for _ in range(runs):
-            session.run([out], {"x": x})
+            run()
         ms.append((time.perf_counter() - start) / runs * 1e3)
-    return {"ms": round(statistics.median(ms), 4), "best_ms": round(min(ms), 4), "products": count,
-            "runs_per_pass": runs, "passes": passes}
+    return {"ms": round(statistics.median(ms), 4), "best_ms": round(min(ms), 4), "runs_per_pass": runs,
+            "passes": passes}
 
 
 def weight_bytes(path: Path) -> int:
@@ -182,10 +275,14 @@ def floors(export_dir: Path, manifest, threads: int, graphs: tuple[str, ...] = F
         nbytes = weight_bytes(path)
         floor_ms = nbytes / 2**30 / bw["gb_per_s"] * 1e3
         alone = matmuls_alone_ms(path, threads)
+        others = others_alone_ms(path, threads)
         out["graphs"][name] = {
             "weight_mb": round(nbytes / 2**20, 3),
             "floor_ms_per_token": round(floor_ms, 4),
             "matmuls_alone": {**alone, "x_floor": round(alone["ms"] / floor_ms, 3)},
+            "others_alone": {**others, "x_floor": round(others["ms"] / floor_ms, 3)},
+            # the step's kernels without a loop around them: no ORT backend of this graph goes lower
+            "kernels_x_floor": round((alone["ms"] + others["ms"]) / floor_ms, 3),
         }
     return out
 

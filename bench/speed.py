@@ -274,7 +274,8 @@ def run(
                 measured = floor_mod.floors(export_dir, manifest, options.threads, graphs=(graph,))
                 beside = {"gb_per_s": measured["bandwidth"]["gb_per_s"], **measured["graphs"][graph]}
                 log(f"{name}: floor just before this round: {beside['floor_ms_per_token']:.2f} ms/token "
-                    f"({beside['gb_per_s']} GB/s); ORT's weight products alone {beside['matmuls_alone']['ms']:.2f} ms")
+                    f"({beside['gb_per_s']} GB/s); ORT's weight products alone {beside['matmuls_alone']['ms']:.2f} ms, "
+                    f"the rest of the step's kernels alone {beside['others_alone']['ms']:.2f} ms")
             r = _run_subprocess([*cmd, "--spec", str(spec), "--out", str(out_json)], out_json,
                                 out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
             if "error" in r:
