@@ -155,8 +155,7 @@ class ForcedScores:
 class StepModel(Protocol):
     """The engine behind a backend: encode once, then produce next-token logits per step.
 
-    Beam search also needs `expand` and `reorder`; greedy search calls `encode`, `step` and, where
-    the engine has it, `keep`.
+    Beam search also needs `expand` and `reorder`; both searches call `keep` where the engine has it.
     """
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
@@ -172,8 +171,9 @@ class StepModel(Protocol):
         """beam_idx: (rows,) int64; row i continues from row beam_idx[i] (its cache and positions)."""
 
     def keep(self, state: Any, rows: np.ndarray) -> None:
-        """Optional (greedy search): only these rows (ascending indices into the current ones) go on;
-        the others' sentences are finished. Without it, finished rows are computed to the end."""
+        """Optional: only these rows (ascending indices into the current ones) go on; the others'
+        sentences are finished (beam search: every beam of a sentence together). Without it,
+        finished rows are computed to the end."""
 
 
 class Backend:

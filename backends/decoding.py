@@ -63,9 +63,10 @@ def decode(
     encoded = time.perf_counter()
 
     decoder_ids = np.full((batch * decoder.width, 1), special.decoder_start, dtype=np.int64)  # (rows, t)
-    # Greedy search drops a finished sentence from the engine (as CTranslate2 does): its rows
-    # would only produce pad. Rows are independent, so the others' numbers do not change.
-    compact = decoder.width == 1 and batch > 1 and callable(getattr(model, "keep", None))
+    # A finished sentence is dropped from the engine (as CTranslate2 does): greedy search's row
+    # would only produce pad, beam search's beams nothing its result reads (BeamSearchDecoder.
+    # alive_rows). Rows are independent, so the others' numbers do not change.
+    compact = batch > 1 and callable(getattr(model, "keep", None))
     rows = None  # the decoder_ids rows the engine still computes, ascending; None: all of them
     first_token = None
     engine = encoded - start  # seconds inside the engine (its graphs / modules), the loop's own work excluded
@@ -80,13 +81,17 @@ def decode(
             first_token = time.perf_counter()
         if done:
             break
-        if beam_idx is not None and not np.array_equal(beam_idx, np.arange(len(beam_idx))):
-            t = time.perf_counter()
-            model.reorder(state, beam_idx)
-            engine += time.perf_counter() - t
+        if beam_idx is not None:
+            # beam_idx is over every row of decoder_ids; the engine holds `rows` only, and a row's
+            # parent is a row of the same sentence, so among them
+            local = beam_idx if rows is None else np.searchsorted(rows, beam_idx[rows])
+            if not np.array_equal(local, np.arange(len(local))):
+                t = time.perf_counter()
+                model.reorder(state, local)
+                engine += time.perf_counter() - t
         if compact:
-            alive = np.flatnonzero(~decoder.finished)
-            current = np.arange(batch) if rows is None else rows
+            alive = decoder.alive_rows()
+            current = np.arange(decoder_ids.shape[0]) if rows is None else rows
             if len(current) - len(alive) >= max(1, len(current) // _KEEP_FRACTION):
                 keep = np.searchsorted(current, alive)
                 t = time.perf_counter()

@@ -525,7 +525,7 @@ class ExternalStepModel:
         state.past = self._gather(state.past, beam_idx)  # (rows, h, p, d) each
 
     def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Greedy search: only `rows` go on; the caches, the mask and the encoder output shrink."""
+        """Only `rows` go on; the caches, the mask and the encoder output shrink."""
         if state.past is not None:
             state.past, state.cross = self._gather(state.past, rows), self._gather(state.cross, rows)
         state.mask = np.ascontiguousarray(state.mask[rows])

@@ -98,7 +98,7 @@ class KVCacheStepModel:
         state.past = self._gather(state.past, beam_idx)  # (b * n, h, p, d) each
 
     def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Greedy search: only `rows` go on; every cached tensor and the mask shrink to them."""
+        """Only `rows` go on; every cached tensor and the mask shrink to them."""
         state.past = self._gather(state.past, rows)
         state.cross = self._gather(state.cross, rows)
         state.mask = np.ascontiguousarray(state.mask[rows])

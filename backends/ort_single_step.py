@@ -40,7 +40,7 @@ class FullGraphStepModel:
         share its source, so the source rows need no reordering either."""
 
     def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Greedy search: only `rows` go on."""
+        """Only `rows` go on (finished sentences are dropped)."""
         state.input_ids, state.attention_mask = state.input_ids[rows], state.attention_mask[rows]
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:

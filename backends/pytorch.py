@@ -67,7 +67,7 @@ class TorchStepModel:
 
     @torch.inference_mode()
     def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Greedy search: only `rows` go on: the encoder outputs, the mask and both caches shrink."""
+        """Only `rows` go on: the encoder outputs, the mask and both caches shrink."""
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         for key, value in list(state.encoder_outputs.items()):
             if isinstance(value, torch.Tensor):

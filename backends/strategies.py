@@ -87,6 +87,10 @@ class GreedyDecoder:
         self.finished[index] |= picked == special.eos
         return np.concatenate([decoder_ids, next_ids[:, None]], axis=1), None, bool(self.finished.all())
 
+    def alive_rows(self) -> np.ndarray:
+        """The rows the engine must still compute: every unfinished sentence's."""
+        return np.flatnonzero(~self.finished)
+
     def _per_row(self) -> tuple[list[list[int]], list[list[StepScore]], list[list[int]]]:
         """The step records regrouped by sentence: token ids, StepScores (empty without scores),
         non-finite steps."""
@@ -233,19 +237,48 @@ class BeamSearchDecoder:
                 values[row, 0], values[row, 1:] = 0.0, -np.inf
         return top, values, non_finite
 
+    def alive_rows(self) -> np.ndarray:
+        """The rows the engine must still compute: every beam of each sentence that is not done.
+
+        A sentence is done once no running beam can beat its n finished hypotheses (`improvable`
+        only ever turns False). generate() computes its beams to the end of the batch anyway, but
+        nothing read from them can change its result: its finished list is frozen, and `finish`
+        reads running beams only for a sentence with fewer than n finished hypotheses. Dropping
+        it changes no other sentence's numbers (rows are independent), and not when the loop
+        stops either: every continuation hits a stop only at the length cap (a beam has one eos).
+        """
+        n = self.width
+        going = self.improvable | np.array([len(f) < n for f in self.finished])  # (b,)
+        return (np.flatnonzero(going)[:, None] * n + np.arange(n)).reshape(-1)
+
+    def _in_global_rows(self, computed: np.ndarray | None, values: np.ndarray, fill) -> np.ndarray:
+        """Per-row values of the computed rows -> the same for all b * n rows (`fill` elsewhere)."""
+        if computed is None:
+            return values
+        out = np.full((self.batch * self.width, *values.shape[1:]), fill, dtype=values.dtype)
+        out[computed] = values
+        return out
+
     def update(
         self, step: int, decoder_ids: np.ndarray, logits: np.ndarray, rows: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """logits (b * n, V) -> (the next rows' decoder ids, the row each continues, whether all are done).
-        Every row is computed each step (`rows` None): a sentence's beams are not dropped."""
-        if rows is not None:
-            raise ValueError("beam search computes every row: rows must be None")
+        """logits (r, V) for the rows `rows` of decoder_ids (None: all b * n; the loop drops done
+        sentences from the engine, every beam of each) -> (decoder ids (b * n, t + 1), the row of
+        decoder_ids each row continues, whether all are done). Rows not computed continue
+        themselves with pad."""
         o, eos = self.options, self.special.eos
-        b, n, vocab = self.batch, self.width, logits.shape[1]
-        ids, values, non_finite = self._log_probs(step, decoder_ids, logits)  # (b * n, K)
+        n, vocab = self.width, logits.shape[1]
+        if rows is None:
+            sentences = np.arange(self.batch)
+        else:
+            sentences = rows[::n] // n
+            if not np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1)):
+                raise ValueError("beam search computes whole sentences: rows must be every beam of each sentence kept")
+        b = len(sentences)
+        ids, values, non_finite = self._log_probs(step, decoder_ids if rows is None else decoder_ids[rows], logits)
         # 2. the best 2n continuations of each sentence over its n beams
         keep = 2 * n
-        scores = (self.running.reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
+        scores = (self.running[sentences].reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
         beam = np.repeat(np.arange(n), keep)  # (n * keep,) the local beam of each column
         tokens = ids[:, :keep].reshape(b, n * keep)
         order = np.lexsort((beam * vocab + tokens, -scores), axis=-1)[:, :keep]  # (b, 2n)
@@ -257,44 +290,51 @@ class BeamSearchDecoder:
         hits = (top_tokens == eos) | (step + 1 >= o.max_new_tokens)
         running = top_scores + hits * _NEG
         nxt = np.argsort(-running, axis=-1, kind="stable")[:, :n]  # (b, n)
-        offsets = (np.arange(b) * n)[:, None]
-        beam_idx = (np.take_along_axis(top_beams, nxt, axis=-1) + offsets).reshape(-1)  # (b * n,)
-        new_tokens = np.take_along_axis(top_tokens, nxt, axis=-1).reshape(-1)
+        offsets = (sentences * n)[:, None]  # each sentence's first row in decoder_ids
+        computed = None if rows is None else rows
+        # (b * n,) over all rows of decoder_ids: a row not computed continues itself with pad
+        parents = (np.take_along_axis(top_beams, nxt, axis=-1) + offsets).reshape(-1)
+        beam_idx = parents
+        if computed is not None:
+            beam_idx = np.arange(self.batch * n)
+            beam_idx[computed] = parents
+        new_tokens = self._in_global_rows(computed, np.take_along_axis(top_tokens, nxt, axis=-1).reshape(-1),
+                                          self.special.pad)
         self.history.append(
             _StepRecord(
                 parent=beam_idx,
                 token=new_tokens,
-                logprob=np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1),
-                top_ids=ids[:, : o.top_k],
-                top_logprobs=values[:, : o.top_k],
-                non_finite=non_finite,
+                logprob=self._in_global_rows(computed, np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1), 0.0),
+                top_ids=self._in_global_rows(computed, ids[:, : o.top_k], 0),
+                top_logprobs=self._in_global_rows(computed, values[:, : o.top_k], 0.0),
+                non_finite=self._in_global_rows(computed, non_finite, False),
             )
         )
         # 4. finished hypotheses (using the heuristic's verdict from the previous step)
         length_norm = (step + 1) ** o.length_penalty
-        for s in range(b):
+        for i, s in enumerate(sentences):
             done = self.finished[s]
             if not self.improvable[s] or (o.early_stopping is True and len(done) == n):
                 continue
             new = [
-                _Finished(float(top_scores[s, j] / length_norm), step, int(offsets[s, 0] + top_beams[s, j]),
-                          int(top_tokens[s, j]), float(top_logprobs[s, j]))
+                _Finished(float(top_scores[i, j] / length_norm), step, int(offsets[i, 0] + top_beams[i, j]),
+                          int(top_tokens[i, j]), float(top_logprobs[i, j]))
                 for j in range(n)
-                if hits[s, j] and np.isfinite(top_scores[s, j])
+                if hits[i, j] and np.isfinite(top_scores[i, j])
             ]
             if new:
                 merged = done + new
                 merged.sort(key=lambda h: -h.score)  # stable: the earlier one first on a tie
                 self.finished[s] = merged[:n]
-        self.running = np.take_along_axis(running, nxt, axis=-1)
+        self.running[sentences] = np.take_along_axis(running, nxt, axis=-1)
         # 5. can a running beam still beat the worst finished one?
         if o.early_stopping == "never" and o.length_penalty > 0.0:
             best_length = o.max_new_tokens
         else:
             best_length = step + 1
-        best = self.running[:, 0] / best_length**o.length_penalty
-        worst = np.array([min(h.score for h in f) if len(f) == n else _NEG for f in self.finished])
-        self.improvable &= best > worst
+        best = self.running[sentences, 0] / best_length**o.length_penalty
+        worst = np.array([min(h.score for h in f) if len(f) == n else _NEG for f in (self.finished[s] for s in sentences)])
+        self.improvable[sentences] &= best > worst
         full = all(len(f) == n for f in self.finished)
         go_on = self.improvable.any() and not (full and o.early_stopping is True) and not hits.all()
         next_ids = np.concatenate([decoder_ids[beam_idx], new_tokens[:, None]], axis=1)

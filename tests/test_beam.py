@@ -749,3 +749,57 @@ def test_greedy_drops_finished_sentences_and_changes_no_number(embedded, name):
         assert a.token_ids == b.token_ids and a.text == b.text
         np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
         assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_beam_search_drops_done_sentences_and_changes_no_number(embedded, name):
+    """Beam search stops computing a sentence once it is done (no running beam can beat its n
+    finished hypotheses): the engine's rows shrink by whole sentences, in groups, and every
+    sentence's n-best list, ids, log-probs and scores equal those of the whole batch computed to
+    the end (which is what generate() does; the parity tests against it run with the drops)."""
+    from backends.base import Backend
+    from backends.decoding import _KEEP_FRACTION
+
+    backend = embedded[name]
+    texts = ["Hi.", "OK", *dev_sentences(6), "Click OK to save the document and close the window when you are done."]
+    n = 4
+    runs = {}
+    for dropping in (False, True):
+        engine = _Rows(backend.model, dropping)
+        wrapped = Backend(name, engine, backend.tokenizer, backend.manifest, backend.info)
+        runs[dropping] = (wrapped.translate(texts, num_beams=n, num_return_sequences=2, max_new_tokens=64),
+                          engine.rows)
+    (full, full_rows), (dropped, dropped_rows) = runs[False], runs[True]
+    assert set(full_rows) == {n * len(texts)}
+    assert dropped_rows[0] == n * len(texts) and dropped_rows[-1] < n * len(texts)
+    assert dropped_rows == sorted(dropped_rows, reverse=True) and all(r % n == 0 for r in dropped_rows)
+    drops = [(a, b) for a, b in zip(dropped_rows, dropped_rows[1:]) if b < a]
+    assert drops and all(a - b >= max(n, a // _KEEP_FRACTION) for a, b in drops), drops
+    if name == "ort_int8":  # activations quantized over the step's rows: other neighbours, other numbers
+        assert sum(a.token_ids == b.token_ids for a, b in zip(full, dropped)) >= len(texts) // 2
+        return
+    assert len(dropped_rows) == len(full_rows)
+    for a, b in zip(full, dropped):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert [(h.text, h.token_ids) for h in a.hypotheses] == [(h.text, h.token_ids) for h in b.hypotheses]
+        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+        np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
+        assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
+
+
+def test_beam_search_rows_must_be_whole_sentences():
+    from backends.base import DecodeOptions
+    from backends.manifest import GenerationDefaults, SpecialTokens
+    from backends.strategies import BeamSearchDecoder
+
+    special = SpecialTokens(pad=0, eos=1, decoder_start=0, unk=2, bad_words_ids=(0,))
+    options = DecodeOptions(max_new_tokens=5, num_beams=2).resolved(5)
+    decoder = BeamSearchDecoder(3, special, options, GenerationDefaults(), 1)
+    logits = np.zeros((4, 8), dtype=np.float32)
+    ids = np.zeros((6, 1), dtype=np.int64)
+    with pytest.raises(ValueError, match="every beam of each sentence"):
+        decoder.update(0, ids, logits, np.array([0, 2, 3, 4]))
+    # sentences 0 and 2 (rows 0, 1, 4, 5): sentence 1's rows continue themselves with pad
+    next_ids, beam_idx, _ = decoder.update(0, ids, logits, np.array([0, 1, 4, 5]))
+    assert next_ids.shape == (6, 2) and list(next_ids[2:4, 1]) == [0, 0] and list(beam_idx[2:4]) == [2, 3]
+    assert set(beam_idx[:2]) <= {0, 1} and set(beam_idx[4:]) <= {4, 5}
