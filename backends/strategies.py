@@ -251,12 +251,13 @@ class BeamSearchDecoder:
         going = self.improvable | np.array([len(f) < n for f in self.finished])  # (b,)
         return (np.flatnonzero(going)[:, None] * n + np.arange(n)).reshape(-1)
 
-    def _in_global_rows(self, computed: np.ndarray | None, values: np.ndarray, fill) -> np.ndarray:
-        """Per-row values of the computed rows -> the same for all b * n rows (`fill` elsewhere)."""
-        if computed is None:
+    def _in_global_rows(self, rows: np.ndarray | None, values: np.ndarray, fill) -> np.ndarray:
+        """Per-row values of the computed `rows` (None: all) -> the same for all b * n rows (`fill`
+        elsewhere)."""
+        if rows is None:
             return values
         out = np.full((self.batch * self.width, *values.shape[1:]), fill, dtype=values.dtype)
-        out[computed] = values
+        out[rows] = values
         return out
 
     def update(
@@ -291,23 +292,22 @@ class BeamSearchDecoder:
         running = top_scores + hits * _NEG
         nxt = np.argsort(-running, axis=-1, kind="stable")[:, :n]  # (b, n)
         offsets = (sentences * n)[:, None]  # each sentence's first row in decoder_ids
-        computed = None if rows is None else rows
         # (b * n,) over all rows of decoder_ids: a row not computed continues itself with pad
         parents = (np.take_along_axis(top_beams, nxt, axis=-1) + offsets).reshape(-1)
         beam_idx = parents
-        if computed is not None:
+        if rows is not None:
             beam_idx = np.arange(self.batch * n)
-            beam_idx[computed] = parents
-        new_tokens = self._in_global_rows(computed, np.take_along_axis(top_tokens, nxt, axis=-1).reshape(-1),
+            beam_idx[rows] = parents
+        new_tokens = self._in_global_rows(rows, np.take_along_axis(top_tokens, nxt, axis=-1).reshape(-1),
                                           self.special.pad)
         self.history.append(
             _StepRecord(
                 parent=beam_idx,
                 token=new_tokens,
-                logprob=self._in_global_rows(computed, np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1), 0.0),
-                top_ids=self._in_global_rows(computed, ids[:, : o.top_k], 0),
-                top_logprobs=self._in_global_rows(computed, values[:, : o.top_k], 0.0),
-                non_finite=self._in_global_rows(computed, non_finite, False),
+                logprob=self._in_global_rows(rows, np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1), 0.0),
+                top_ids=self._in_global_rows(rows, ids[:, : o.top_k], 0),
+                top_logprobs=self._in_global_rows(rows, values[:, : o.top_k], 0.0),
+                non_finite=self._in_global_rows(rows, non_finite, False),
             )
         )
         # 4. finished hypotheses (using the heuristic's verdict from the previous step)

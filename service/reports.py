@@ -69,6 +69,14 @@ def _setting(setting: dict) -> str:
     return f"{_GEMM_NAMES.get(setting['gemm'], setting['gemm'])} with {setting['threads']} thread(s)"
 
 
+def _others_shape(floor: dict) -> str:
+    """"; batch 1, a cache of P, a source of S" as the rest of the step was measured (bench/floor.py)."""
+    for v in floor["graphs"].values():
+        if v.get("others_alone"):
+            return f"; batch 1, a cache of {v['others_alone']['past']}, a source of {v['others_alone']['source']}"
+    return ""
+
+
 def render_speed(results: dict) -> str:
     m, s, o = results["model"], results["sentences"], results["options"]
     runtimes, ref = results["runtimes"], results.get("reference")
@@ -164,9 +172,9 @@ def render_speed(results: dict) -> str:
                 "once, so per token no runtime can beat weight bytes / bandwidth (bench/floor.py). ORT's weight "
                 "products alone: the graph's MatMuls (int8: DynamicQuantizeMatMul) on their own weights, chained, "
                 "nothing else of the step. The rest of the step's kernels alone: ORT's optimized graph with those "
-                "products fed in as inputs (attention, layer norms, adds, ORT's per-node work; batch 1, a cache "
-                "of 20, a source of 24). Together they are the step without a loop: no ORT backend of this graph "
-                "comes closer to the floor.", "",
+                f"products fed in as inputs (attention, layer norms, adds, ORT's per-node work{_others_shape(fl)}). "
+                "Together they are the step without a loop: no ORT backend of this graph comes closer to the "
+                "floor.", "",
                 "| decoder graph | weights read per step MB | floor ms/token | ORT's weight products alone ms "
                 "| x floor | the rest of the step's kernels alone ms | together x floor |",
                 "|---|---:|---:|---:|---:|---:|---:|"]

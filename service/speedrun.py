@@ -430,9 +430,8 @@ def targets(results: dict) -> list[dict]:
                     continue
                 lat = rt.get(name, {}).get("latency", {})
                 per_token, engine = lat.get("ms_per_token_p50"), lat.get("engine_ms_per_token_p50")
-                f = floor.get(graph, {}).get("floor_ms_per_token")
                 g = floor.get(graph, {})
-                alone = g.get("matmuls_alone")
+                f, alone = g.get("floor_ms_per_token"), g.get("matmuls_alone")
 
                 def fmt(v, lim, f=f, t=per_token, e=engine, alone=alone, g=g):
                     text = f"{t:.2f} ms/token = {v:.2f}x the {f:.2f} ms floor measured at the end of the run"

@@ -714,31 +714,37 @@ class _Rows:
         return self.inner.step(state, decoder_ids)
 
 
+@pytest.mark.parametrize("n", [1, 4], ids=["greedy", "beam4"])
 @pytest.mark.parametrize("name", BACKEND_NAMES)
-def test_greedy_drops_finished_sentences_and_changes_no_number(embedded, name):
-    """Greedy search stops computing a sentence once it has ended (as CTranslate2 does): the engine's
-    steps shrink, and every sentence's ids and log-probs equal those of the whole batch computed to
-    the end. The embedded model: a trained model's sentences end at different steps."""
+def test_finished_sentences_are_dropped_and_change_no_number(embedded, name, n):
+    """Both searches stop computing a sentence once it is done (as CTranslate2 does): greedy search
+    once it has ended, beam search once no running beam can beat its n finished hypotheses. The
+    engine's rows shrink by whole sentences, in groups, and every sentence's ids, log-probs (beam
+    search: its n-best list and scores) equal those of the whole batch computed to the end, which is
+    what generate() does (the parity tests against it run with the drops). The embedded model: a
+    trained model's sentences end at different steps."""
     from backends.base import Backend
+    from backends.decoding import _KEEP_FRACTION
 
     backend = embedded[name]
     texts = ["Hi.", "OK", *dev_sentences(6), "Click OK to save the document and close the window when you are done."]
+    extra = {"num_return_sequences": 2} if n > 1 else {}
     runs = {}
     for dropping in (False, True):
         engine = _Rows(backend.model, dropping)
         wrapped = Backend(name, engine, backend.tokenizer, backend.manifest, backend.info)
-        runs[dropping] = (wrapped.translate(texts, num_beams=1, max_new_tokens=64), engine.rows)
+        runs[dropping] = (wrapped.translate(texts, num_beams=n, max_new_tokens=64, **extra), engine.rows)
     (full, full_rows), (dropped, dropped_rows) = runs[False], runs[True]
-    assert set(full_rows) == {len(texts)}
+    rows = n * len(texts)
+    assert set(full_rows) == {rows}
     lengths = sorted(len(t.token_ids) for t in full)
     assert lengths[0] < lengths[-1], lengths  # sentences end at different steps: something to drop
-    assert dropped_rows[0] == len(texts) and dropped_rows[-1] < len(texts) and dropped_rows == sorted(dropped_rows, reverse=True)
-    # Rows are dropped in groups (a quarter of those computed, at least one), not at every finish:
-    # each drop copies every cache tensor.
-    from backends.decoding import _KEEP_FRACTION
-
+    assert dropped_rows[0] == rows and dropped_rows[-1] < rows and dropped_rows == sorted(dropped_rows, reverse=True)
+    assert all(r % n == 0 for r in dropped_rows)  # beam search: every beam of a sentence together
+    # Rows are dropped in groups (a quarter of those computed, at least one sentence), not at every
+    # finish: each drop copies every cache tensor.
     drops = [(a, b) for a, b in zip(dropped_rows, dropped_rows[1:]) if b < a]
-    assert drops and all(a - b >= max(1, a // _KEEP_FRACTION) for a, b in drops), drops
+    assert drops and all(a - b >= max(n, a // _KEEP_FRACTION) for a, b in drops), drops
     if name == "ort_int8":
         # Dynamic quantization scales each step's activations over all the rows it is given, so
         # int8's numbers depend on a sentence's batch neighbours anyway; fewer neighbours, other numbers.
@@ -747,42 +753,9 @@ def test_greedy_drops_finished_sentences_and_changes_no_number(embedded, name):
     assert len(dropped_rows) == len(full_rows)
     for a, b in zip(full, dropped):
         assert a.token_ids == b.token_ids and a.text == b.text
-        np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
-        assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
-
-
-@pytest.mark.parametrize("name", BACKEND_NAMES)
-def test_beam_search_drops_done_sentences_and_changes_no_number(embedded, name):
-    """Beam search stops computing a sentence once it is done (no running beam can beat its n
-    finished hypotheses): the engine's rows shrink by whole sentences, in groups, and every
-    sentence's n-best list, ids, log-probs and scores equal those of the whole batch computed to
-    the end (which is what generate() does; the parity tests against it run with the drops)."""
-    from backends.base import Backend
-    from backends.decoding import _KEEP_FRACTION
-
-    backend = embedded[name]
-    texts = ["Hi.", "OK", *dev_sentences(6), "Click OK to save the document and close the window when you are done."]
-    n = 4
-    runs = {}
-    for dropping in (False, True):
-        engine = _Rows(backend.model, dropping)
-        wrapped = Backend(name, engine, backend.tokenizer, backend.manifest, backend.info)
-        runs[dropping] = (wrapped.translate(texts, num_beams=n, num_return_sequences=2, max_new_tokens=64),
-                          engine.rows)
-    (full, full_rows), (dropped, dropped_rows) = runs[False], runs[True]
-    assert set(full_rows) == {n * len(texts)}
-    assert dropped_rows[0] == n * len(texts) and dropped_rows[-1] < n * len(texts)
-    assert dropped_rows == sorted(dropped_rows, reverse=True) and all(r % n == 0 for r in dropped_rows)
-    drops = [(a, b) for a, b in zip(dropped_rows, dropped_rows[1:]) if b < a]
-    assert drops and all(a - b >= max(n, a // _KEEP_FRACTION) for a, b in drops), drops
-    if name == "ort_int8":  # activations quantized over the step's rows: other neighbours, other numbers
-        assert sum(a.token_ids == b.token_ids for a, b in zip(full, dropped)) >= len(texts) // 2
-        return
-    assert len(dropped_rows) == len(full_rows)
-    for a, b in zip(full, dropped):
-        assert a.token_ids == b.token_ids and a.text == b.text
-        assert [(h.text, h.token_ids) for h in a.hypotheses] == [(h.text, h.token_ids) for h in b.hypotheses]
-        np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
+        if n > 1:
+            assert [(h.text, h.token_ids) for h in a.hypotheses] == [(h.text, h.token_ids) for h in b.hypotheses]
+            np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
         np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
         assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
 

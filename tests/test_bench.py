@@ -203,6 +203,7 @@ def test_speed_measures_the_bandwidth_floor_and_checks_the_targets(speed_run, ti
     assert ("out of its reach with ORT's kernels" in kv["measured"]) == (beside["kernels_x_floor"] > 1.15)
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "## Memory-bandwidth floor" in md and "## Speed targets" in md
+    assert f"batch 1, a cache of {others['past']}, a source of {others['source']})" in md
     assert f"| `decoder` | {decoder['weight_mb']:,} | {decoder['floor_ms_per_token']:.2f} | " \
            f"{decoder['matmuls_alone']['ms']:.2f} | {decoder['matmuls_alone']['x_floor']:.2f} | " \
            f"{decoder['others_alone']['ms']:.2f} | {decoder['kernels_x_floor']:.2f} |" in md
