@@ -74,11 +74,15 @@ def session_options(config: SessionConfig, memory_arena: bool = True) -> "ort.Se
     # One request at a time per process: a second inter-op pool would only compete for the cores.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # ORT's idle workers otherwise spin after each run, holding a core the decoding loop then
-    # wants for its own threads (decoding.score_step): at batch 32, int8, scoring a step took
-    # 6.4 ms on 1 thread, 6.7-7.4 ms on 2 with spinning, 4.2-4.7 ms on 2 without. Batch-1 step
-    # times did not move measurably either way.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Workers spin inside a run, and stop when it ends. Without spinning, each of a step's ~80
+    # parallel kernels waits for a sleeping worker to wake: the embedded decoder step at batch 32
+    # took 4.0 ms against 3.4 spinning (int8 2.3 against 1.8), whole translate() calls 1.31x (fp32)
+    # and 1.09x (int8) the sentences/s at batch 32, 1.25x and 1.38x at batch 1 (docs/benchmarks.md).
+    # ORT's default also spins after the run (~40 ms of a core after each), holding a core that the
+    # next session or the decoding loop's own threads (scoring.score_step) want: that was slower
+    # than not spinning at all, hence the stop.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 

@@ -416,6 +416,59 @@ def test_sessions_leave_the_residual_add_and_layer_norm_unfused_on_the_cpu(tiny_
     assert len(seen) >= 2 and all(d == ["SkipLayerNormFusion"] for d in seen), seen
 
 
+_SPIN_PROBE = """
+import json, sys, time
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+sys.path.insert(0, sys.argv[1])
+from backends.ort_session import SessionConfig, open_session, session_options
+
+graph = helper.make_graph(
+    [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])],
+    [helper.make_tensor("w", TensorProto.FLOAT, [512, 512], np.ones(512 * 512, np.float32))],
+)
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+config = SessionConfig(threads=2, provider="cpu")
+x = np.ones((256, 512), np.float32)
+out = {}
+for label, stop in (("ours", None), ("spinning after the run", "0")):
+    options = session_options(config)
+    if stop is not None:
+        options.add_session_config_entry("session.force_spinning_stop", stop)
+    session = open_session(model, options, config)
+    for _ in range(5):
+        session.run(None, {"x": x})
+    idle = []
+    for _ in range(3):
+        session.run(None, {"x": x})
+        start = time.process_time()
+        time.sleep(0.3)
+        idle.append(time.process_time() - start)  # every thread of this process, while we sleep
+    out[label] = min(idle)
+print(json.dumps(out))
+"""
+
+
+def test_sessions_spin_inside_a_run_and_stop_after_it():
+    """Our sessions' workers spin between a run's kernels (no wake-up per parallel kernel) and stop
+    when the run ends, so they do not hold a core the next session or the decoding loop wants.
+    The probe runs in its own process: nothing else there uses the CPU while it sleeps."""
+    probe = subprocess.run([sys.executable, "-c", _SPIN_PROBE, str(REPO)], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    idle = json.loads(probe.stdout)
+    # ORT's own behaviour after a run with spinning on (the control): it burns CPU while we sleep,
+    # so the probe can see spinning on this machine at all.
+    assert idle["spinning after the run"] > 0.010, idle
+    assert idle["ours"] < 0.005, idle
+    from backends.ort_session import session_options
+
+    options = session_options(SessionConfig(threads=2, provider="cpu"))
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
 _ARENA_PROBE = """
 import ctypes, os, re, sys, tempfile, threading
 sys.path.insert(0, {root!r})
