@@ -459,10 +459,11 @@ def test_sessions_spin_inside_a_run_and_stop_after_it():
     probe = subprocess.run([sys.executable, "-c", _SPIN_PROBE, str(REPO)], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr
     idle = json.loads(probe.stdout)
-    # ORT's own behaviour after a run with spinning on (the control): it burns CPU while we sleep,
-    # so the probe can see spinning on this machine at all.
-    assert idle["spinning after the run"] > 0.010, idle
-    assert idle["ours"] < 0.005, idle
+    # ORT's own behaviour after a run with spinning on (the control): it burns CPU while we sleep
+    # (39 ms on the AMD EPYC we measured on), so the probe can see spinning on this machine at all.
+    # How long ORT spins depends on the CPU's pause instruction, hence a low bar for the control.
+    assert idle["spinning after the run"] > 0.002, idle
+    assert idle["ours"] < min(0.005, idle["spinning after the run"] / 4), idle
     from backends.ort_session import session_options
 
     options = session_options(SessionConfig(threads=2, provider="cpu"))
