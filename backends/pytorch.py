@@ -1,5 +1,5 @@
-"""The reference: the HF model (MarianMTModel, M2M100ForConditionalGeneration, MBartForConditionalGeneration,
-as the sidecar names it) in PyTorch eager mode, with transformers' own KV cache.
+"""The reference: the HF model (its family's transformers class, as the sidecar names it) in
+PyTorch eager mode, with transformers' own KV cache.
 
 The only backend module that imports torch.
 """
@@ -17,9 +17,9 @@ try:
 except ImportError as e:  # pragma: no cover
     raise RuntimeError("the pytorch backend requires torch (pip install torch==2.13.0)") from e
 
+from export.families import DEFAULT_FAMILY, FAMILIES, architectures
 
-# The families export/families.py registers.
-SUPPORTED_ARCHITECTURES = ("MarianMTModel", "M2M100ForConditionalGeneration", "MBartForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = architectures()
 
 
 @dataclass
@@ -30,7 +30,8 @@ class _State:
 
 
 class TorchStepModel:
-    def __init__(self, model_source: str | Path, threads: int | None = None, architecture: str = "MarianMTModel"):
+    def __init__(self, model_source: str | Path, threads: int | None = None,
+                 architecture: str = FAMILIES[DEFAULT_FAMILY].architecture):
         import transformers
 
         if architecture not in SUPPORTED_ARCHITECTURES:

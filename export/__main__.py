@@ -1,4 +1,4 @@
-"""python -m export SRC --out DIR: a HF translation model (Marian, NLLB-200/M2M100, mBART-50) to verified ONNX graphs plus manifest.json."""
+"""python -m export SRC --out DIR: a HF translation model of a registered family (export/families/) to verified ONNX graphs plus manifest.json."""
 
 from __future__ import annotations
 
@@ -8,14 +8,25 @@ import time
 from pathlib import Path
 
 from corpus import DEV_TSV
+from .families import FAMILIES
 from .graphs import DEFAULT_OPSET, ExportError
 from .pipeline import ExportOptions, VerificationFailed, export
 from .source import SourceError
 
 
+def _language_help() -> tuple[str, str]:
+    """The families' own language codes, as examples for --src-lang and --tgt-lang."""
+    coded = [f for f in FAMILIES.values() if f.default_src_lang]
+    sources = ", ".join(f"{f.title} {f.default_src_lang}" for f in coded)
+    targets = [code for f in coded for code in (f.default_tgt_lang, *(t for _, t in f.tokenizer_languages.values()))]
+    return sources, ", ".join(dict.fromkeys(targets))
+
+
 def main(argv: list[str] | None = None) -> int:
+    families = ", ".join(f.title for f in FAMILIES.values())
+    sources, targets = _language_help()
     parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
-    parser.add_argument("src", help="local model folder (Marian, NLLB-200/M2M100, mBART-50), or a hub id where a hub is reachable")
+    parser.add_argument("src", help=f"local model folder ({families}), or a hub id where a hub is reachable")
     parser.add_argument("--out", type=Path, required=True, help="export folder to create")
     parser.add_argument("--force", action="store_true", help="replace an existing export folder")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
@@ -24,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-sentences", type=int, default=16)
     parser.add_argument("--verify-max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
-    parser.add_argument("--src-lang", default=None, help="source language code (NLLB eng_Latn, mBART en_XX; default English)")
-    parser.add_argument("--tgt-lang", default=None, help="target language code, forced first (default Chinese: zho_Hans, zh, zh_CN)")
+    parser.add_argument("--src-lang", default=None, help=f"source language code ({sources}; default English)")
+    parser.add_argument("--tgt-lang", default=None, help=f"target language code, forced first (default Chinese: {targets})")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:

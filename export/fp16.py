@@ -60,8 +60,8 @@ def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_O
 
     external = bool(external_files(src))
     # The weights come in after shape inference: the converter's own inference (its default)
-    # serializes and parses the whole model, up to four copies of the weights at once (7 GB for
-    # NLLB-600M's 1.76 GB encoder); on the weightless graph it gives the same types and shapes.
+    # serializes and parses the whole model, up to four copies of the weights at once; on the
+    # weightless graph it gives the same types and shapes.
     model = onnx.load(str(src), load_external_data=False)
     # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
     del model.graph.value_info[:]

@@ -1,24 +1,14 @@
 """Find, validate and load the source model: a local HF folder or a hub id, of a family in the
-architecture registry (`families.py`), with a tokenizer that matches its vocabulary."""
+registry (`families/`), with a tokenizer that matches its vocabulary."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .families import FAMILIES, Family, UnsupportedArchitecture, default_languages, family_of, supported
+from .families import Family, UnsupportedArchitecture, default_languages, family_of, supported
 
-SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
-SUPPORTED_MODEL_TYPES = tuple(f.model_type for f in FAMILIES.values())
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-# Files a local folder must hold for its tokenizer, per family: all of a tuple, one of a set.
-TOKENIZER_FILES = {
-    "marian": ("source.spm", "target.spm", "vocab.json"),
-    # transformers 5's tokenizers-backed classes read tokenizer.json, or build it from the
-    # sentencepiece model; M2M100Tokenizer (sentencepiece) reads vocab.json + the model.
-    "m2m_100": ("tokenizer_config.json", {"tokenizer.json", "sentencepiece.bpe.model"}),
-    "mbart": ("tokenizer_config.json", {"tokenizer.json", "sentencepiece.bpe.model"}),
-}
 
 
 class SourceError(ValueError):
@@ -40,8 +30,8 @@ def check_local_folder(folder: Path) -> dict:
     missing = []
     if not any((folder / w).is_file() for w in WEIGHT_FILES):
         missing.append(" or ".join(WEIGHT_FILES))
-    for need in TOKENIZER_FILES[family.name]:
-        options = sorted(need) if isinstance(need, set) else [need]
+    for need in family.tokenizer_files:  # all of a tuple's names, one of each set's
+        options = [need] if isinstance(need, str) else sorted(need)
         if not any((folder / f).is_file() for f in options):
             missing.append(" or ".join(options))
     if missing:
@@ -77,7 +67,7 @@ def tokenizer_class_of(folder: Path, family: Family) -> str:
 
 
 def language_codes(tokenizer) -> dict[str, int]:
-    """{code: id} of every language code the tokenizer knows (empty for Marian)."""
+    """{code: id} of every language code the tokenizer knows (empty for a family without codes)."""
     lang_map = getattr(tokenizer, "lang_code_to_id", None)  # M2M100Tokenizer: {"en": id, ...}
     if isinstance(lang_map, dict) and lang_map:
         return {code: int(i) for code, i in lang_map.items()}

@@ -1,5 +1,5 @@
-"""Export-friendly forward passes over a HF seq2seq model's own weights (every family in
-`families.py`: Marian, M2M100/NLLB, mBART).
+"""Export-friendly forward passes over a BART-style seq2seq model's own weights: the graph
+wrappers of the families whose layout is `export/families/bart.py`'s.
 
 The KV-cache graphs need tensors in and tensors out (no Cache objects), cross-attention keys and
 values computed once by the encoder graph, and the position of the newest token taken from the
@@ -56,7 +56,7 @@ class _Stack(nn.Module):
         self.family = family
         self.pad = pad
         self.embed_tokens = stack.embed_tokens
-        # M2M100/mBART scale inside their ScaledWordEmbedding; Marian scales on the stack.
+        # Some families scale inside their ScaledWordEmbedding, others on the stack.
         self.embed_scale = 1.0 if hasattr(stack.embed_tokens, "embed_scale") else float(stack.embed_scale)
         self.positions = stack.embed_positions
         self.layernorm_embedding = stack.layernorm_embedding if family.embedding_norm else None
@@ -75,7 +75,7 @@ class _Stack(nn.Module):
         elif kind == "learned_offset":
             offset = self.family.position_offset
             pos = self.positions.weight[past_len + offset : past_len + offset + t]  # (t, D)
-        else:  # M2M100: its `weights` buffer, row pad + 1 + position for tokens, row pad (zeros) for pad
+        else:  # sinusoidal_padding_offset: row pad + 1 + position for tokens, row pad (zeros) for pad
             real = input_ids.ne(self.pad).to(torch.int64)  # (b, t)
             rows = (torch.cumsum(real, dim=1) + past_len) * real + self.pad
             pos = self.positions.weights[rows]  # (b, t, D)
@@ -111,7 +111,7 @@ class EncoderWithCrossKV(_Stack):
         x = self.embed(input_ids, 0)  # (b, s, D)
         b, s = input_ids.shape
         # One bias row per query, (b, 1, s, s), not (b, 1, 1, s) broadcast: ONNX Runtime's
-        # MultiHeadAttention, which replaces _attend in the graph (export/rewrite.fuse_attention),
+        # MultiHeadAttention, which replaces _attend in the graph (export/attention.fuse_attention),
         # takes its attention bias in that shape. Same numbers either way.
         bias = _padding_bias(attention_mask, x.dtype).expand(b, 1, s, s)
         for layer in self.layers:
@@ -149,8 +149,7 @@ class DecoderStepWithCache(_Stack):
         self.lm_head = model.lm_head
         bias = model.final_logits_bias.detach().clone() if family.logits_bias else None
         # An all-zero bias (a buffer, never trained: our embedded model and random fixtures) adds
-        # nothing but a pass over (b, V) each step: 0.26 of 7.3 ms in ORT's profile of a batch-32
-        # step of the embedded model. x + 0 == x, so leaving it out keeps the logits exact.
+        # nothing but a pass over (b, V) each step; x + 0 == x, so leaving it out keeps the logits exact.
         if bias is not None and not bias.any():
             bias = None
         self.register_buffer("final_logits_bias", bias, persistent=False)

@@ -13,50 +13,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENCODER_PARTS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
-    "fc1", "activation_fn", "fc2", "final_layer_norm",
-)
-DECODER_PARTS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn", "self_attn_layer_norm",
-    "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj", "encoder_attn", "encoder_attn_layer_norm",
-    "fc1", "activation_fn", "fc2", "final_layer_norm",
-)
-# Pre-norm families (M2M100/NLLB, mBART): each sub-layer's LayerNorm runs before it, on its input.
-PRE_NORM_ENCODER_PARTS = (
-    "self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn",
-    "final_layer_norm", "fc1", "activation_fn", "fc2",
-)
-PRE_NORM_DECODER_PARTS = (
-    "self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn",
-    "encoder_attn_layer_norm", "encoder_attn.q_proj", "encoder_attn.k_proj", "encoder_attn.v_proj", "encoder_attn",
-    "final_layer_norm", "fc1", "activation_fn", "fc2",
-)
+from export.families import DEFAULT_FAMILY, FAMILIES, family_named, layouts
+
+# Each family's module naming (export/families/): its layout's scopes, paths and order.
+_LAYOUTS = layouts()
+# Scopes of the graph wrappers -> HF paths below the HF model's `.model`.
+_WRAPPER_SCOPES = {root: scopes for layout in _LAYOUTS for root, scopes in layout.naming.wrapper_scopes.items()}
 # Decoder modules computed over the source (cross-attention keys and values): compared at every
 # source position; every other decoder module at the chosen step's position only.
-_OVER_SOURCE = re.compile(r"^decoder\.layers\.\d+\.encoder_attn\.[kv]_proj$")
-
-# Scopes of our own wrappers (export/wrappers.py) -> HF paths below the HF model's `.model`.
-_WRAPPER_SCOPES = {
-    "export.wrappers.EncoderWithCrossKV": (
-        (r"^layers\.", "encoder.layers."),
-        (r"^cross_attn\.(\d+)(?=\.|$)", r"decoder.layers.\1.encoder_attn"),
-        (r"^embed_tokens$", "encoder.embed_tokens"),
-        (r"^layernorm_embedding$", "encoder.layernorm_embedding"),
-        (r"^layer_norm$", "encoder.layer_norm"),
-    ),
-    "export.wrappers.DecoderStepWithCache": (
-        (r"^layers\.", "decoder.layers."),
-        (r"^embed_tokens$", "decoder.embed_tokens"),
-        (r"^layernorm_embedding$", "decoder.layernorm_embedding"),
-        (r"^layer_norm$", "decoder.layer_norm"),
-        (r"^lm_head$", "lm_head"),
-    ),
-}
-# Anything else (HF's own forward, other exporters' wrappers): the HF path inside the scope.
-_HF_PATH = re.compile(
-    r"(?:^|\.)((?:encoder|decoder)\.(?:layers\.\d+(?:\.\w+)*|embed_tokens|layernorm_embedding|layer_norm)|lm_head)$"
-)
+_OVER_SOURCE = re.compile("|".join(f"(?:{layout.naming.over_source.pattern})" for layout in _LAYOUTS))
 
 _FLOATS = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 _PLUMBING = {7, 9}  # int64, bool: shape arithmetic and masks, not the numbers we compare
@@ -67,25 +32,13 @@ class LocateError(ValueError):
 
 
 def module_order(encoder_layers: int, decoder_layers: int, family: dict | None = None) -> list[str]:
-    """Every module the report compares, in execution order. `family`: the sidecar's "family"
-    section (None: Marian's post-norm layers): pre-norm layers run each LayerNorm before its
-    sub-layer; `embedding_norm` adds each stack's `layernorm_embedding` (mBART), `final_norm` its
-    final `layer_norm` (M2M100/NLLB, mBART)."""
-    family = family or {}
-    pre = family.get("pre_norm", False)
-    enc_parts, dec_parts = (PRE_NORM_ENCODER_PARTS, PRE_NORM_DECODER_PARTS) if pre else (ENCODER_PARTS, DECODER_PARTS)
-    emb_norm = family.get("embedding_norm", False)
-    final = family.get("final_norm", False)
-
-    def stack(side: str, layers: int, parts) -> list[str]:
-        return [
-            f"{side}.embed_tokens",
-            *([f"{side}.layernorm_embedding"] if emb_norm else []),
-            *(f"{side}.layers.{i}.{p}" for i in range(layers) for p in parts),
-            *([f"{side}.layer_norm"] if final else []),
-        ]
-
-    return [*stack("encoder", encoder_layers, enc_parts), *stack("decoder", decoder_layers, dec_parts), "lm_head"]
+    """Every module the report compares, in execution order, as the family's layout names them.
+    `family`: the sidecar's "family" section (its name and norm flags); None: the default family."""
+    section = family if family is not None else vars(FAMILIES[DEFAULT_FAMILY])
+    entry = family_named(section.get("name", DEFAULT_FAMILY))
+    if entry is None:
+        raise LocateError(f"unknown model family {section.get('name')!r}; expected one of: {', '.join(FAMILIES)}")
+    return entry.layout.naming.order(section, encoder_layers, decoder_layers)
 
 
 # --- graph side: which value is which module's output ---------------------------------------------
@@ -123,8 +76,11 @@ def hf_module(root: str | None, scope: str | None) -> str | None:
     for pattern, replacement in _WRAPPER_SCOPES.get(root or "", ()):
         if re.match(pattern, scope):
             return re.sub(pattern, replacement, scope, count=1)
-    match = _HF_PATH.search(scope)
-    return match.group(1) if match else ""
+    for layout in _LAYOUTS:
+        match = layout.naming.hf_path.search(scope)
+        if match:
+            return match.group(1)
+    return ""
 
 
 def _within(module: str | None, parent: str) -> bool:

@@ -206,7 +206,7 @@ def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_mod
     import copy
 
     from export import graphs
-    from export.rewrite import fuse_attention
+    from export.attention import fuse_attention
     from export.source import load_source
 
     model, _, _, family, _ = load_source(str(tiny_model_dir))
@@ -247,7 +247,7 @@ def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_d
     import torch
 
     from export import graphs
-    from export.rewrite import append_cache_in_attention, fuse_attention, pack_qkv
+    from export.attention import append_cache_in_attention, fuse_attention, pack_qkv
     from export.source import load_source
 
     model, _, _, family, _ = load_source(str(tiny_model_dir))

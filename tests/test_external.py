@@ -485,13 +485,13 @@ def family(request, tmp_path_factory) -> Family:
     import transformers
 
     from bench.peers import prepare
-    from export.fixtures import FAMILY_FIXTURES, build
+    from export.fixtures import FIXTURES, build
     from export.pipeline import ExportOptions, export
 
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = build(name, root / "model", corpus=TRAIN_TSV)
-    weights = getattr(transformers, FAMILY_FIXTURES[name].architecture).from_pretrained(model).eval()
+    weights = getattr(transformers, FIXTURES[name].architecture).from_pretrained(model).eval()
     _spread(weights)
     weights.save_pretrained(model)
     reference = export(str(model), ExportOptions(out=root / "export", threads=1, verify=False), log=lambda *a, **k: None)

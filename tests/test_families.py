@@ -67,11 +67,11 @@ def _peak(model) -> None:
 def family_model_dir(request, tmp_path_factory) -> Path:
     import transformers
 
-    from export.fixtures import FAMILY_FIXTURES, build
+    from export.fixtures import FIXTURES, build
 
     name = request.param
     folder = build(name, tmp_path_factory.mktemp("models") / name, corpus=TRAIN_TSV)
-    model = getattr(transformers, FAMILY_FIXTURES[name].architecture).from_pretrained(folder).eval()
+    model = getattr(transformers, FIXTURES[name].architecture).from_pretrained(folder).eval()
     _peak(model)
     model.save_pretrained(folder)
     return folder
@@ -148,7 +148,7 @@ def test_export_verifies_every_fp32_graph_within_1e4(family_export_dir):
         for name in ("ort_fp32_single_step", "ort_fp32_kv_cache"):
             r = v[label]["backends"][name]
             assert r["identical_ids"] == v[label]["sentences"] == 16, (label, name)
-    # ...with each family's attention cores fused (export/rewrite.fuse_attention), in every KV-cache graph.
+    # ...with each family's attention cores fused (export/attention.fuse_attention), in every KV-cache graph.
     manifest = load_manifest(family_export_dir)
     layers = {"encoder": manifest.data["model"]["encoder_layers"], "decoder": 2 * manifest.data["model"]["decoder_layers"]}
     for name in ("encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8"):
@@ -336,11 +336,11 @@ def test_tampered_external_data_is_refused(external_export_dir, tmp_path):
 
 def test_stored_generate_options_are_the_families_own():
     """What the fixtures copy from the published generation configs stays what the sidecar reads."""
-    from export.fixtures import FAMILY_FIXTURES
+    from export.fixtures import FIXTURES
 
-    assert FAMILY_FIXTURES["mbart50-tiny"].generation == {
+    assert FIXTURES["mbart50-tiny"].generation == {
         "max_length": 200, "num_beams": 5, "early_stopping": True, "forced_eos_token_id": 2}
-    shape = FAMILY_FIXTURES["nllb-600m-random"].config
+    shape = FIXTURES["nllb-600m-random"].config
     assert (shape["d_model"], shape["encoder_layers"], shape["decoder_layers"], shape["vocab_size"],
             shape["encoder_ffn_dim"], shape["encoder_attention_heads"]) == (1024, 12, 12, 256206, 4096, 16)
 

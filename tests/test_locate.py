@@ -98,7 +98,7 @@ def test_unperturbed_fp32_no_module_over_tolerance(tiny_backends, reference_ids,
     rows = {row["module"]: row for row in report["layers"]}
     assert rows["decoder.layers.1.fc1"]["op_types"] == ["MatMul", "Add"]
     assert "LayerNormalization" in rows["encoder.layers.0.final_layer_norm"]["op_types"]
-    # In the KV-cache graphs the attention core runs as one fused operator (export/rewrite.fuse_attention),
+    # In the KV-cache graphs the attention core runs as one fused operator (export/attention.fuse_attention),
     # and locate names it; the single-step graph is HF's own forward, Softmax and all.
     fused = name == "ort_fp32_kv_cache"
     assert ("MultiHeadAttention" in rows["decoder.layers.0.encoder_attn"]["op_types"]) == fused

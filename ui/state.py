@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import BACKEND_NAMES, ManifestError, load_manifest
+from export.families import family_named
 from service import RequestLimits
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,21 +49,15 @@ class Loaded:
         return None
 
 
-# The family's published name, by sidecar family and tokenizer class (one family serves NLLB and M2M100).
-FAMILY_LABELS = {"marian": "Marian", "mbart": "mBART-50"}
-M2M100_LABELS = {"NllbTokenizer": "NLLB-200", "M2M100Tokenizer": "M2M100"}
-
-
 def model_heading(manifest) -> str:
-    """"NLLB-200 eng_Latn→zho_Hans", "mBART-50 en_XX→zh_CN", "Marian en→zh": the family and the
-    languages the backends translate between. The codes come from the sidecar (after any override);
-    a Marian model has one pair, which its tokenizer_config.json names (source_lang/target_lang).
-    Without a sidecar: "Model"."""
+    """"NLLB-200 eng_Latn→zho_Hans", "mBART-50 en_XX→zh_CN", "Marian en→zh": the model's published
+    name (its family's label for its tokenizer class) and the languages the backends translate
+    between. The codes come from the sidecar (after any override); a model without codes has one
+    pair, which its tokenizer_config.json names (source_lang/target_lang). Without a sidecar: "Model"."""
     if manifest is None:
         return "Model"
-    family = manifest.family
-    label = M2M100_LABELS.get(manifest.tokenizer_class, "M2M100") if family == "m2m_100" else FAMILY_LABELS.get(
-        family, family)
+    family = family_named(manifest.family)
+    label = family.label_for(manifest.tokenizer_class) if family is not None else manifest.family
     languages = manifest.languages
     if languages:
         return f"{label} {languages['src_lang']}→{languages['tgt_lang']}"

@@ -1,0 +1,216 @@
+"""The export's sidecar (`manifest.json`), as the pipeline writes it: every section but the
+verification, which `verify.py` computes. `backends/manifest.py` reads it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from pathlib import Path
+
+import onnx
+
+from backends.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    generation_section,
+    generation_source_file,
+    sha256_file,
+)
+
+from . import graphs, verify
+from .onnx_io import external_files
+
+FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
+
+
+def versions() -> dict[str, str]:
+    import onnxconverter_common
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxconverter-common": onnxconverter_common.__version__,
+        "onnxscript": onnxscript.__version__,
+    }
+
+
+def _no_dropout(path: Path) -> None:
+    ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    if "Dropout" in ops:
+        raise RuntimeError(f"{path.name} contains Dropout nodes: the model was not exported in eval mode")
+
+
+def _graph_entry(spec: graphs.GraphSpec, precision: str, file: str | None = None) -> dict:
+    entry = spec.describe()
+    entry["precision"] = precision
+    if file:
+        entry["file"] = file
+    return entry
+
+
+def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path) -> dict:
+    """The sidecar's "graphs" section, each file checked for Dropout nodes (a model not in eval mode)."""
+    entries = {
+        "full": _graph_entry(specs["full"], "fp32"),
+        "encoder": _graph_entry(specs["encoder"], "fp32"),
+        "decoder": _graph_entry(specs["decoder"], "fp32"),
+        "encoder_fp16": _graph_entry(specs["encoder"], "fp16", "encoder_fp16.onnx"),
+        "decoder_fp16": _graph_entry(specs["decoder"], "fp16", "decoder_fp16.onnx"),
+        "encoder_int8": _graph_entry(specs["encoder"], "int8", "encoder_int8.onnx"),
+        "decoder_int8": _graph_entry(specs["decoder"], "int8", "decoder_int8.onnx"),
+    }
+    for entry in entries.values():
+        _no_dropout(folder / entry["file"])
+        data = external_files(folder / entry["file"])
+        if data:
+            entry["external_data"] = data
+    return entries
+
+
+def _model_facts(model, family) -> dict:
+    c = model.config
+    return {
+        "architecture": family.architecture,
+        "d_model": c.d_model,
+        "encoder_layers": c.encoder_layers,
+        "decoder_layers": c.decoder_layers,
+        "encoder_attention_heads": c.encoder_attention_heads,
+        "decoder_attention_heads": c.decoder_attention_heads,
+        "head_dim": c.d_model // c.decoder_attention_heads,
+        "encoder_ffn_dim": c.encoder_ffn_dim,
+        "decoder_ffn_dim": c.decoder_ffn_dim,
+        "activation_function": c.activation_function,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def generation(model, source: dict, languages: dict | None) -> dict:
+    """The sidecar's "generation" section: the model's generation config as the decoding defaults.
+
+    With language codes, the target language's code is the forced first token (as the tokenizer's
+    translation pipeline passes `forced_bos_token_id` to generate()), whatever the config says."""
+    c = model.config
+    # The file it came from: its checksum tells export.ensure when the config changed.
+    file = generation_source_file(Path(source["path"])) if source.get("path") else None
+    special = {"pad": c.pad_token_id, "eos": c.eos_token_id, "decoder_start": c.decoder_start_token_id}
+    config = model.generation_config.to_dict()
+    note = None
+    if languages is not None:
+        forced = languages["codes"][languages["tgt_lang"]]
+        if config.get("forced_bos_token_id") not in (None, forced):
+            note = (f"the model's generation config forces id {config['forced_bos_token_id']} first; the target "
+                    f"language {languages['tgt_lang']} (id {forced}) is forced instead")
+        config["forced_bos_token_id"] = forced
+    section = generation_section(
+        config, special=special, limit=c.max_position_embeddings - 1, vocab_size=c.vocab_size, source_file=file,
+    )
+    if note:
+        section["notes"].append(note)
+    return section
+
+
+def save_tokenizer(tokenizer, source: dict, family, folder: Path) -> dict:
+    """Write the tokenizer's files next to the graphs; return the sidecar's "tokenizer" section:
+    its class and the files written."""
+    before = {f.name for f in folder.iterdir()}
+    tokenizer.save_pretrained(folder)
+    for extra in family.unsaved_tokenizer_files:
+        (folder / extra).unlink(missing_ok=True)
+    written = sorted(f.name for f in folder.iterdir() if f.is_file() and f.name not in before)
+    return {"class": source["tokenizer_class"], "files": written}
+
+
+def manifest(model, tokenizer, source: dict, family, languages: dict | None, generation: dict, *, opset: int,
+             graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict) -> dict:
+    """Every section of the sidecar; "verification", the timings and "files" are filled in later."""
+    config = model.config
+    limit = config.max_position_embeddings
+    default_bad = [[config.pad_token_id]] if family.bans_pad else []
+    bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or default_bad)]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source_model": source,
+        "family": {"name": family.name, "architecture": family.architecture, "pre_norm": family.pre_norm,
+                   "positions": family.positions, "embedding_norm": family.embedding_norm,
+                   "final_norm": family.final_norm, "logits_bias": family.logits_bias},
+        "tokenizer": tokenizer_record,
+        # src_lang: the tokenizer's source code; tgt_lang: forced first (generation.forced_bos_token_id).
+        "languages": languages,
+        "model": _model_facts(model, family),
+        "special_tokens": {
+            "pad": config.pad_token_id,
+            "eos": config.eos_token_id,
+            "unk": tokenizer.unk_token_id,
+            "decoder_start": config.decoder_start_token_id,
+            "bad_words_ids": bad_words,
+        },
+        "limits": {
+            "max_source_tokens": limit,  # eos included; sinusoidal positions stop here
+            # The decoder start takes position 0, so at most limit - 1 tokens follow it.
+            "max_new_tokens": limit - 1,
+        },
+        # The model's generation config: every backend's decoding defaults (backends/manifest.py).
+        "generation": generation,
+        "opset": opset,
+        "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
+        "first_step": FIRST_STEP,
+        "graphs": graph_section,
+        # Tied output layer stored once, pre-transposed; attention cores fused: see export/rewrite.py
+        # and export/attention.py.
+        "rewrites": rewrites,
+        "fp16": {
+            **fp16["decoder"],
+            "why_fp32_io": "cache and logits cross the session boundary in fp32 so every backend "
+            "feeds the shared loop the same dtype; fp16 arithmetic stays inside the graphs",
+            "encoder": fp16["encoder"],
+        },
+        "int8": int8,
+        "versions": versions(),
+        "verification": None,
+        "export_seconds": None,
+        # Each step's own peak RSS (VmHWM, reset at the step's start) and the RSS it started with.
+        "export_peak_rss_mb": None,
+        "export_start_rss_mb": None,
+        "files": {},
+    }
+
+
+def write(folder: Path, data: dict, family) -> None:
+    """Checksum every file of `folder` into `data["files"]`, check the tokenizer's are there, write the sidecar."""
+    data["files"] = {
+        f.name: {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name != MANIFEST_NAME
+    }
+    missing = [f for f in data["tokenizer"]["files"] if f not in data["files"]]
+    missing += [f for f in family.export_tokenizer_files if f not in data["files"]]
+    if missing:
+        raise RuntimeError(f"tokenizer files not written: {', '.join(missing)}")
+    (folder / MANIFEST_NAME).write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def summarize(result: dict) -> str:
+    lines = [f"verification: fp32 {'PASSED' if result['fp32_passed'] else 'FAILED'} (tolerance {result['fp32_tolerance']:g})"]
+    for case in result["logits"]:
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in case["max_abs_logit_diff"].items())
+        lines.append(f"  max |Δlogit| on {case['case']}: {diffs}")
+    for label, g in (("greedy", result["greedy"]), (verify.decoding_label(result.get("model_decoding")), result.get("model_decoding"))):
+        for name, r in (g or {"backends": {}})["backends"].items():
+            lines.append(
+                f"  {label} {name}: identical ids {r['identical_ids']}/{g['sentences']}, "
+                f"identical text {r['identical_text']}/{g['sentences']}, token agreement {r['token_agreement']:.1%}"
+            )
+    return "\n".join(lines)
