@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .families import shape_of
 from .wrappers import FullSeq2Seq
 
 DEFAULT_OPSET = 18  # the dynamo exporter's native opset; LayerNormalization is one op from 17
@@ -36,8 +37,9 @@ def _kv_names(prefix: str, layers: int) -> list[str]:
 
 
 def graph_specs(config) -> dict[str, GraphSpec]:
-    layers, heads = config.decoder_layers, config.decoder_attention_heads
-    head_dim, vocab = config.d_model // heads, config.vocab_size
+    shape = shape_of(config)
+    layers, heads = shape["decoder_layers"], shape["decoder_attention_heads"]
+    head_dim, vocab = shape["head_dim"], shape["vocab_size"]
     cross = [(n, "float32", ["batch", heads, "src_len", head_dim]) for n in _kv_names("cross", layers)]
     past = [(n, "float32", ["batch", heads, "past_len", head_dim]) for n in _kv_names("past", layers)]
     present = [(n, "float32", ["batch", heads, "past_len + 1", head_dim]) for n in _kv_names("present", layers)]
@@ -53,7 +55,7 @@ def graph_specs(config) -> dict[str, GraphSpec]:
             "encoder",
             "encoder.onnx",
             src,
-            [("encoder_hidden_states", "float32", ["batch", "src_len", config.d_model]), *cross],
+            [("encoder_hidden_states", "float32", ["batch", "src_len", shape["d_model"]]), *cross],
         ),
         "decoder": GraphSpec(
             "decoder",
@@ -65,10 +67,10 @@ def graph_specs(config) -> dict[str, GraphSpec]:
 
 
 def _example_inputs(config, batch: int, src_len: int, tgt_len: int, past_len: int):
-    layers, heads = config.decoder_layers, config.decoder_attention_heads
-    head_dim = config.d_model // heads
+    shape = shape_of(config)
+    layers, heads, head_dim = shape["decoder_layers"], shape["decoder_attention_heads"], shape["head_dim"]
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, min(config.vocab_size - 1, 1000), (batch, src_len), generator=gen)
+    ids = torch.randint(2, min(shape["vocab_size"] - 1, 1000), (batch, src_len), generator=gen)
     mask = torch.ones(batch, src_len, dtype=torch.long)
     if batch > 1:
         mask[-1, src_len // 2 :] = 0  # a padded row, so the mask path is traced
@@ -174,7 +176,7 @@ def export_graph(model, family, config, spec: GraphSpec, out_dir: Path, opset: i
                 dynamo=True,
                 input_names=[n for n, _, _ in spec.inputs],
                 output_names=[n for n, _, _ in spec.outputs],
-                dynamic_shapes=_dynamic_shapes(spec, config.max_position_embeddings),
+                dynamic_shapes=_dynamic_shapes(spec, shape_of(config)["max_position_embeddings"]),
                 opset_version=opset,
                 optimize=True,  # constant folding and dead-code elimination
                 external_data=external_data,

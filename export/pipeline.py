@@ -121,7 +121,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         f"load {src}", load_source, src, options.src_lang, options.tgt_lang
     )
     config = model.config
-    generation = sidecar.generation(model, source, languages)  # refuses unsupported options before any graph is made
+    shape = family.layout.shape(config)
+    generation = sidecar.generation(model, family, source, languages)  # refuses unsupported options before any graph is made
     external = graphs.needs_external_data(model) if options.external_data is None else options.external_data
     steps.run("probe: trace each graph on a tiny input", graphs.probe, model, family, config, options.opset)
 
@@ -160,7 +161,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         attention = family.layout.attention_module()
 
         def fuse():
-            heads = {"encoder": config.encoder_attention_heads, "decoder": config.decoder_attention_heads}
+            heads = {"encoder": shape["encoder_attention_heads"], "decoder": shape["decoder_attention_heads"]}
             for name in ("encoder", "decoder"):
                 fused = {p: attention.fuse_attention_file(tmp / f"{name}{p}.onnx", heads[name]) for p in ("", "_fp16")}
                 rewrites.setdefault(name, {}).update(fused[""])

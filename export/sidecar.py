@@ -77,30 +77,20 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path) -> dict:
 
 
 def _model_facts(model, family) -> dict:
-    c = model.config
     return {
         "architecture": family.architecture,
-        "d_model": c.d_model,
-        "encoder_layers": c.encoder_layers,
-        "decoder_layers": c.decoder_layers,
-        "encoder_attention_heads": c.encoder_attention_heads,
-        "decoder_attention_heads": c.decoder_attention_heads,
-        "head_dim": c.d_model // c.decoder_attention_heads,
-        "encoder_ffn_dim": c.encoder_ffn_dim,
-        "decoder_ffn_dim": c.decoder_ffn_dim,
-        "activation_function": c.activation_function,
-        "vocab_size": c.vocab_size,
-        "max_position_embeddings": c.max_position_embeddings,
+        **family.layout.shape(model.config),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
 
 
-def generation(model, source: dict, languages: dict | None) -> dict:
+def generation(model, family, source: dict, languages: dict | None) -> dict:
     """The sidecar's "generation" section: the model's generation config as the decoding defaults.
 
     With language codes, the target language's code is the forced first token (as the tokenizer's
     translation pipeline passes `forced_bos_token_id` to generate()), whatever the config says."""
     c = model.config
+    shape = family.layout.shape(c)
     # The file it came from: its checksum tells export.ensure when the config changed.
     file = generation_source_file(Path(source["path"])) if source.get("path") else None
     special = {"pad": c.pad_token_id, "eos": c.eos_token_id, "decoder_start": c.decoder_start_token_id}
@@ -113,7 +103,8 @@ def generation(model, source: dict, languages: dict | None) -> dict:
                     f"language {languages['tgt_lang']} (id {forced}) is forced instead")
         config["forced_bos_token_id"] = forced
     section = generation_section(
-        config, special=special, limit=c.max_position_embeddings - 1, vocab_size=c.vocab_size, source_file=file,
+        config, special=special, limit=shape["max_position_embeddings"] - 1, vocab_size=shape["vocab_size"],
+        source_file=file,
     )
     if note:
         section["notes"].append(note)
@@ -135,7 +126,7 @@ def manifest(model, tokenizer, source: dict, family, languages: dict | None, gen
              graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict) -> dict:
     """Every section of the sidecar; "verification", the timings and "files" are filled in later."""
     config = model.config
-    limit = config.max_position_embeddings
+    limit = family.layout.shape(config)["max_position_embeddings"]
     default_bad = [[config.pad_token_id]] if family.bans_pad else []
     bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or default_bad)]
     return {

@@ -51,6 +51,14 @@ def family_named(name: str) -> Family | None:
     return FAMILIES.get(name)
 
 
+def shape_of(config) -> dict:
+    """The sidecar's "model" facts of a loaded HF config, read as its family's layout names them."""
+    family = next((f for f in FAMILIES.values() if f.model_type == config.model_type), None)
+    if family is None:
+        raise UnsupportedArchitecture(f"unsupported model_type {config.model_type!r}; supported: {supported()}")
+    return family.layout.shape(config)
+
+
 def default_languages(family: Family, tokenizer_class: str) -> tuple[str | None, str | None]:
     return family.tokenizer_languages.get(tokenizer_class, (family.default_src_lang, family.default_tgt_lang))
 
@@ -81,5 +89,6 @@ def fixtures() -> dict:
 
 __all__ = [
     "DEFAULT_FAMILY", "FAMILIES", "Family", "Layout", "UnsupportedArchitecture", "architectures",
-    "default_languages", "family_named", "family_of", "fixtures", "layouts", "supported", "tokenizer_classes",
+    "default_languages", "family_named", "family_of", "fixtures", "layouts", "shape_of", "supported",
+    "tokenizer_classes",
 ]

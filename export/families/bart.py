@@ -70,4 +70,22 @@ class BartNaming:
         return [*stack("encoder", encoder_layers, enc_parts), *stack("decoder", decoder_layers, dec_parts), "lm_head"]
 
 
-BART = Layout(name="bart", wrappers="export.wrappers", attention="export.attention", naming=BartNaming())
+def bart_shape(config) -> dict:
+    """The sidecar's "model" facts, read from a BART-style config's attribute names."""
+    return {
+        "d_model": config.d_model,
+        "encoder_layers": config.encoder_layers,
+        "decoder_layers": config.decoder_layers,
+        "encoder_attention_heads": config.encoder_attention_heads,
+        "decoder_attention_heads": config.decoder_attention_heads,
+        "head_dim": config.d_model // config.decoder_attention_heads,
+        "encoder_ffn_dim": config.encoder_ffn_dim,
+        "decoder_ffn_dim": config.decoder_ffn_dim,
+        "activation_function": config.activation_function,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+
+
+BART = Layout(name="bart", wrappers="export.wrappers", attention="export.attention", naming=BartNaming(),
+              shape=bart_shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,15 @@ class Layout:
     `service/locate_graph.py` reads: `order(family, encoder_layers, decoder_layers)` (every module
     it reports, in execution order), `wrapper_scopes` ({wrapper class: ((scope regex, HF path), ...)}),
     `hf_path` (the HF path inside any other scope) and `over_source` (decoder modules computed over
-    the source positions)."""
+    the source positions). `shape(config)`: the sidecar's "model" facts (layers, heads, head_dim,
+    d_model, ffn dims, activation, vocab size, position limit) from the family's HF config, whose
+    attribute names differ between layouts; the graph specs and limits are read from those."""
 
     name: str
     wrappers: str
     attention: str
     naming: Any
+    shape: Callable[[Any], dict]
 
     def wrapper_module(self):
         return importlib.import_module(self.wrappers)
