@@ -1,7 +1,7 @@
-"""Five ways to run one Marian model behind one decoding contract.
+"""Several ways to run one translation model behind one decoding contract.
 
-`load_backends(export_dir)` returns them by name, in this order: pytorch (the reference),
-ort_fp32_single_step, ort_fp32_kv_cache, ort_fp16, ort_int8. Heavy imports happen inside the loaders, so
+`load_backends(export_dir)` returns them by name, in the order of `registry.BACKENDS` (the table
+that names, labels and builds every backend; pytorch, the reference, first). Heavy imports happen inside the loaders, so
 importing this package (or an ORT backend) never imports torch. `external={NAME: DIR}` adds exports made
 elsewhere (Hugging Face Optimum's layout) of the same model, checked against it first (ort_external.py).
 """
@@ -15,46 +15,17 @@ from pathlib import Path
 from .base import MAX_BEAMS, Backend, DecodeOptions, ForcedScores, Hypothesis, StepScore, Translation
 from .manifest import GenerationDefaults, Manifest, ManifestError, UnsupportedGeneration, load_manifest
 from .ort_session import SessionConfig
+from .registry import APPROXIMATE, BACKEND_NAMES, BACKENDS, GRAPHS, REFERENCE, BackendSpec, spec_of
 from .shared_tables import SharedTables
 from .tokenizer import InputError, TokenizerWrapper
 
 logger = logging.getLogger("backends")
 
-BACKEND_NAMES = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16", "ort_int8")
-# Backends whose outputs may differ from the reference by design (reduced precision).
-APPROXIMATE = ("ort_fp16", "ort_int8")
-REFERENCE = "pytorch"
-
 
 def _build(
     name: str, manifest: Manifest, tokenizer: TokenizerWrapper, session: SessionConfig, tables: SharedTables
 ) -> Backend:
-    if name == "pytorch":
-        from . import pytorch
-
-        source = pytorch.source_model_of(manifest)
-        model = pytorch.TorchStepModel(source, threads=session.threads, architecture=manifest.architecture)
-        pytorch.offer_tables(model, tables)
-        return Backend(name, model, tokenizer, manifest, pytorch.info(model, source))
-    if name == "ort_fp32_single_step":
-        from .ort_single_step import FullGraphStepModel
-
-        model = FullGraphStepModel(manifest, session, tables)
-    elif name == "ort_fp32_kv_cache":
-        from .ort_kv_cache import KVCacheStepModel
-
-        model = KVCacheStepModel(manifest, session, "encoder", "decoder", tables)
-    elif name == "ort_fp16":
-        from .ort_kv_cache import KVCacheStepModel
-
-        model = KVCacheStepModel(manifest, session, "encoder_fp16", "decoder_fp16", tables)
-    elif name == "ort_int8":
-        from .ort_kv_cache import KVCacheStepModel
-
-        model = KVCacheStepModel(manifest, session, "encoder_int8", "decoder_int8", tables)
-    else:
-        raise ValueError(f"unknown backend {name!r}; expected one of: {', '.join(BACKEND_NAMES)}")
-    return Backend(name, model, tokenizer, manifest, model.info)
+    return spec_of(name).build(manifest, tokenizer, session, tables)
 
 
 def check_external(external) -> dict[str, str]:
@@ -92,15 +63,6 @@ def _prepare(export_dir, names, src_lang=None, tgt_lang=None):
     return manifest, TokenizerWrapper(Path(export_dir), src_lang=languages.get("src_lang"))
 
 
-# Which graphs each ORT backend holds (the pytorch backend holds the source weights).
-GRAPHS = {
-    "ort_fp32_single_step": ("full",),
-    "ort_fp32_kv_cache": ("encoder", "decoder"),
-    "ort_fp16": ("encoder_fp16", "decoder_fp16"),
-    "ort_int8": ("encoder_int8", "decoder_int8"),
-}
-
-
 def _source_weight_bytes(manifest: Manifest) -> int:
     """The PyTorch reference's weights: the source's weight file, else 4 bytes per parameter."""
     folder = manifest.data["source_model"].get("path")
@@ -113,14 +75,14 @@ def _source_weight_bytes(manifest: Manifest) -> int:
 def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES) -> dict[str, int]:
     """Bytes each named backend is expected to hold once loaded: its weights as stored on disk
     (graph files with their external data; the source model's weights for pytorch). A floor, not
-    a ceiling: activations, ORT's packed weight copies and the KV caches come on top (measured in
-    docs/benchmarks.md for the opus-mt-sized fixture: peak RSS about 1.5-3x the files)."""
+    a ceiling: activations, ORT's packed weight copies and the KV caches come on top (peak RSS
+    against these figures is measured in docs/benchmarks.md)."""
     _check_names(names)
     manifest = load_manifest(export_dir)
     files = manifest.data["files"]
     needs = {}
     for name in names:
-        if name == REFERENCE:
+        if not GRAPHS.get(name):
             needs[name] = _source_weight_bytes(manifest)
             continue
         total = 0
@@ -192,9 +154,12 @@ def try_load_backends(
 
 __all__ = [
     "APPROXIMATE",
+    "BACKENDS",
     "BACKEND_NAMES",
+    "GRAPHS",
     "REFERENCE",
     "Backend",
+    "BackendSpec",
     "DecodeOptions",
     "ForcedScores",
     "GenerationDefaults",

@@ -1,26 +1,11 @@
-"""Someone else's ONNX export as a backend: a Hugging Face Optimum-layout folder run by ORT
-through the project's own decoding loop, next to the reference it claims to be.
+"""Someone else's ONNX export as a backend: a Hugging Face Optimum-layout folder (`external_layout`)
+run by ORT through the project's own decoding loop, next to the reference it claims to be.
 
-    encoder_model.onnx            input_ids, attention_mask (b, s) -> last_hidden_state (b, s, d_model)
-    decoder_model_merged.onnx     one graph, an If on `use_cache_branch` (Optimum's default output), or
-    decoder_model.onnx            the first step: input_ids (b, t), encoder_hidden_states,
-                                  encoder_attention_mask -> logits, present.{i}.decoder.key/value and
-                                  present.{i}.encoder.key/value (cross-attention, made here once)
-    decoder_with_past_model.onnx  later steps: the newest token, past_key_values.{i}.decoder.* (b, h, p, d)
-                                  and past_key_values.{i}.encoder.* (b, h, s, d) -> logits, present.{i}.decoder.*
-
-(`optimum-cli export onnx --task text2text-generation-with-past` writes all four; the merged graph is
-used when present.) Variants with a suffix (`encoder_model_quantized.onnx`, `*_fp16.onnx`) are picked
-by naming the encoder file instead of the folder. Graphs may keep their weights in external data
-files. Every IO name, the layer count and the cache layout are read from the graphs themselves;
-heads and head size from the past inputs' shapes (config.json when those are symbolic).
-
-Before anything runs, the folder must belong to the reference export (`check`): config.json's
-vocabulary size, special ids and model type, the graph's logits width, and the tokenizer (every
-id's piece, special ids, sentencepiece files, the encoding of probe sentences) are compared with
-the reference's sidecar and tokenizer; every difference is named in one `ExternalExportError`.
-The backend then tokenizes with the reference's own tokenizer, and decodes with the reference's
-generation rules: what differs between the two is the graphs' numbers.
+Every IO name, the layer count and the cache layout are read from the graphs themselves; heads and
+head size from the past inputs' shapes (config.json when those are symbolic). Before anything
+runs, the folder must belong to the reference export (`external_check.check`). The backend then
+tokenizes with the reference's own tokenizer, and decodes with the reference's generation rules:
+what differs between the two is the graphs' numbers.
 
 Beam search: the first step runs once per sentence (its rows are identical: the start token) and
 its caches are then repeated per beam, so cross-attention keys/values are computed once per
@@ -42,14 +27,21 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from .manifest import Manifest, sha256_file
+from .external_check import PROBE_TEXTS, check  # noqa: F401  (this module's API too)
+from .external_layout import (  # noqa: F401  (this module's API too)
+    LAYOUT,
+    ExternalExportError,
+    Layout,
+    describe_graph,
+    files_read,
+    find_layout,
+    parse_external,
+)
+from .manifest import Manifest
 from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
-LAYOUT = "Hugging Face Optimum (text2text-generation-with-past)"
-ENCODER, MERGED = "encoder_model", "decoder_model_merged"
-DECODER, WITH_PAST = "decoder_model", "decoder_with_past_model"
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
-# Graph inputs by what they carry, with the names Optimum (and older exporters) give them.
+# Graph inputs by what they carry, with the names Optimum and other exporters give them.
 _ROLES = {
     "ids": ("input_ids", "decoder_input_ids"),
     "encoder_mask": ("encoder_attention_mask",),
@@ -58,302 +50,11 @@ _ROLES = {
     "cache_position": ("cache_position",),
     "branch": ("use_cache_branch",),
 }
-_QUANTIZED_OPS = {
-    "MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "QuantizeLinear", "DequantizeLinear",
-    "DynamicQuantizeMatMul", "MatMulNBits", "QAttention", "QGemm", "ConvInteger", "QLinearConv",
-}
-# Sentences whose encodings must agree token for token: words, numbers, punctuation, accents, symbols.
-PROBE_TEXTS = (
-    "Hello world.",
-    "Click outside the spreadsheet to view the slide.",
-    "On 3 May 2024 the 12 cats' owner paid $1,250.75 (tax included), didn't she?",
-    "Naïve café façades — “quoted” — and e-mail@example.com.",
-)
-
-
-class ExternalExportError(ValueError):
-    """The folder is not a runnable export of the reference model; the message names what differs."""
 
 
 def _value(array: np.ndarray) -> ort.OrtValue:
     # The OrtValue wraps the array's buffer and holds a reference to it.
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
-
-
-def parse_external(values: list[str]) -> dict[str, str]:
-    """Command-line `--external NAME=DIR` values (app.py, bench.parity) as {NAME: DIR}; ValueError
-    naming a malformed or repeated one."""
-    external: dict[str, str] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"--external: expected NAME=DIR, got {value!r}")
-        if name.strip() in external:
-            raise ValueError(f"--external: the name {name.strip()!r} is given twice")
-        external[name.strip()] = path.strip()
-    return external
-
-
-# --- the folder --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which graph files of a folder are run."""
-
-    folder: Path  # the graphs' folder
-    meta: Path  # config.json and the tokenizer files: the graphs' folder, or its parent (an onnx/ subfolder)
-    encoder: Path
-    merged: Path | None  # decoder_model_merged{suffix}.onnx, used when present
-    decoder: Path | None  # decoder_model{suffix}.onnx (first step) when not merged
-    with_past: Path | None  # decoder_with_past_model{suffix}.onnx when not merged
-
-    @property
-    def graphs(self) -> list[Path]:
-        return [p for p in (self.encoder, self.merged, self.decoder, self.with_past) if p is not None]
-
-    @property
-    def kind(self) -> str:
-        return "merged decoder" if self.merged else "decoder + decoder with past"
-
-
-def find_layout(path: str | Path) -> Layout:
-    """`path`: an Optimum export folder (or its onnx/ subfolder), or one variant's encoder file
-    (`DIR/encoder_model_quantized.onnx` runs the `_quantized` graphs). Raises ExternalExportError."""
-    path = Path(path)
-    if path.is_file():
-        m = re.fullmatch(rf"{ENCODER}(.*)\.onnx", path.name)
-        if not m:
-            raise ExternalExportError(f"{path}: expected a folder or an {ENCODER}*.onnx file")
-        folder, suffixes = path.parent, [m[1]]
-    elif path.is_dir():
-        folder = path
-        if not list(folder.glob(f"{ENCODER}*.onnx")) and (folder / "onnx").is_dir():
-            folder = folder / "onnx"  # transformers.js-style: config and tokenizer above, graphs in onnx/
-        suffixes = sorted(p.name[len(ENCODER) : -len(".onnx")] for p in folder.glob(f"{ENCODER}*.onnx"))
-    else:
-        raise ExternalExportError(f"{path}: no such folder or file")
-    if not suffixes:
-        raise ExternalExportError(
-            f"{path}: no {ENCODER}.onnx: not an Optimum-layout export (expected {ENCODER}.onnx with "
-            f"{MERGED}.onnx, or with {DECODER}.onnx and {WITH_PAST}.onnx, as `optimum-cli export onnx "
-            "--task text2text-generation-with-past` writes)"
-        )
-    if len(suffixes) > 1:
-        variants = ", ".join(f"{ENCODER}{s}.onnx" for s in suffixes)
-        raise ExternalExportError(
-            f"{path} holds several variants ({variants}); name the one to run by its encoder file, "
-            f"e.g. {folder / (ENCODER + suffixes[-1] + '.onnx')}"
-        )
-    suffix = suffixes[0]
-
-    def graph(stem: str) -> Path | None:
-        p = folder / f"{stem}{suffix}.onnx"
-        return p if p.is_file() else None
-
-    merged, decoder, with_past = graph(MERGED), graph(DECODER), graph(WITH_PAST)
-    if merged is None and (decoder is None or with_past is None):
-        present = ", ".join(sorted(p.name for p in folder.glob("*.onnx"))) or "no .onnx files"
-        raise ExternalExportError(
-            f"{folder}: {ENCODER}{suffix}.onnx needs {MERGED}{suffix}.onnx, or both {DECODER}{suffix}.onnx "
-            f"and {WITH_PAST}{suffix}.onnx (a decoder with a KV cache: --task text2text-generation-with-past); "
-            f"found: {present}"
-        )
-    above = not (folder / "config.json").is_file() and (folder.parent / "config.json").is_file()
-    meta = folder.parent if above else folder
-    return Layout(folder, meta, folder / f"{ENCODER}{suffix}.onnx", merged,
-                  None if merged else decoder, None if merged else with_past)
-
-
-# --- provenance: what the graphs are, read without their weights -------------------------------------
-
-
-def _graph_tensors(graph) -> list:
-    """Every initializer of a graph and of its subgraphs (a merged decoder's If branches)."""
-    from onnx import AttributeProto
-
-    tensors = list(graph.initializer)
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == AttributeProto.GRAPH:
-                tensors += _graph_tensors(attr.g)
-            elif attr.type == AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    tensors += _graph_tensors(g)
-    return tensors
-
-
-def _op_types(graph) -> set[str]:
-    from onnx import AttributeProto
-
-    ops = set()
-    for node in graph.node:
-        ops.add(node.op_type)
-        for attr in node.attribute:
-            subgraphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)
-            for g in subgraphs:
-                ops |= _op_types(g)
-    return ops
-
-
-def _shape(value_info) -> list[int | str]:
-    dims = value_info.type.tensor_type.shape.dim
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
-
-
-def _locations(tensors) -> list[str]:
-    """The external data files the tensors' weights are in, relative to the graph's folder."""
-    import onnx
-
-    return sorted({
-        entry.value
-        for t in tensors
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for entry in t.external_data
-        if entry.key == "location"
-    })
-
-
-def files_read(layout: Layout, manifest: Manifest) -> list[Path]:
-    """Every file `load` reads from the folder: config.json, the tokenizer files the reference's
-    sidecar lists (compared with its own), each graph and its external data. What a copy of the
-    export elsewhere (bench/engine/model_files.py) must hold."""
-    import onnx
-
-    files = [layout.meta / "config.json", *(layout.meta / f for f in manifest.tokenizer_files)]
-    for graph in layout.graphs:
-        tensors = _graph_tensors(onnx.load(str(graph), load_external_data=False).graph)
-        files += [graph, *(graph.parent / f for f in _locations(tensors))]
-    return list(dict.fromkeys(files))
-
-
-def describe_graph(path: Path) -> dict[str, Any]:
-    """A graph file's provenance and the facts `check` needs: {file, bytes, sha256, opset, producer,
-    ir_version, external_data: [{file, bytes, sha256}], precision, logits_shape}. Reads the graph
-    without its external data (the weights stay on disk)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    tensors = _graph_tensors(model.graph)
-    locations = _locations(tensors)
-    elements = {onnx.TensorProto.FLOAT: 0, onnx.TensorProto.FLOAT16: 0}
-    for t in tensors:
-        if t.data_type in elements:
-            elements[t.data_type] += int(np.prod(t.dims)) if len(t.dims) else 1
-    if _op_types(model.graph) & _QUANTIZED_OPS:
-        precision = "int8"
-    elif elements[onnx.TensorProto.FLOAT16] > elements[onnx.TensorProto.FLOAT]:
-        precision = "fp16"
-    else:
-        precision = "fp32"
-    outputs = {o.name: o for o in model.graph.output}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    data = []
-    for location in locations:
-        file = path.parent / location
-        data.append({"file": location, "bytes": file.stat().st_size if file.is_file() else None,
-                     "sha256": sha256_file(file) if file.is_file() else None})
-    return {
-        "file": path.name,
-        "bytes": path.stat().st_size,
-        "sha256": sha256_file(path),
-        "opset": opset,
-        "producer": f"{model.producer_name} {model.producer_version}".strip() or None,
-        "ir_version": model.ir_version,
-        "external_data": data,
-        "precision": precision,
-        "logits_shape": _shape(outputs["logits"]) if "logits" in outputs else None,
-    }
-
-
-# --- does it belong to the reference? -------------------------------------------------------------
-
-
-def _config_differences(config: dict[str, Any], manifest: Manifest) -> list[str]:
-    special = manifest.special
-    out = []
-    for key, want in (("model_type", manifest.family), ("vocab_size", manifest.vocab_size),
-                      ("pad_token_id", special.pad), ("eos_token_id", special.eos),
-                      ("decoder_start_token_id", special.decoder_start)):
-        got = config.get(key)
-        if key == "decoder_start_token_id" and got is None:
-            continue  # not recorded: the model's config falls back to its own rule, which the logits check covers
-        if got != want and not (isinstance(got, list) and want in got):
-            out.append(f"config.json {key} is {got!r}, the reference's {want!r}")
-    return out
-
-
-def _tokenizer_differences(folder: Path, manifest: Manifest, reference) -> list[str]:
-    """Compare the folder's tokenizer with the reference's (a `TokenizerWrapper`)."""
-    from .tokenizer import TokenizerWrapper
-
-    wanted = manifest.tokenizer_files
-    missing = [f for f in wanted if not (folder / f).is_file()]
-    if missing:
-        return [f"tokenizer files missing: {', '.join(missing)} (the reference has {', '.join(wanted)}; "
-                "copy the tokenizer the model was exported with next to the graphs)"]
-    out = []
-    for name in wanted:  # sentencepiece models are copied byte for byte by save_pretrained
-        if name.endswith((".spm", ".model")) and sha256_file(folder / name) != sha256_file(manifest.root / name):
-            out.append(f"{name} differs from the reference's (sha256)")
-    try:
-        theirs = TokenizerWrapper(folder, src_lang=reference.src_lang, tokenizer_class=manifest.tokenizer_class)
-    except Exception as e:  # reported as a difference: the message is what the user needs
-        return [*out, f"its tokenizer does not load as {manifest.tokenizer_class}: {type(e).__name__}: {e}"]
-    for what in ("pad_id", "eos_id"):
-        if getattr(theirs, what) != getattr(reference, what):
-            out.append(f"tokenizer {what} is {getattr(theirs, what)}, the reference's {getattr(reference, what)}")
-    ids = list(range(manifest.vocab_size))
-    mine, yours = reference.pieces(ids), theirs.pieces(ids)
-    differing = [i for i, (a, b) in enumerate(zip(mine, yours)) if a != b]
-    if differing:
-        i = differing[0]
-        out.append(f"tokenizer: {len(differing)} of {len(ids)} ids map to other pieces (id {i}: "
-                   f"{yours[i]!r} here, {mine[i]!r} in the reference)")
-    for text in PROBE_TEXTS:
-        a = reference.encode([text], 10_000).input_ids[0].tolist()
-        b = theirs.encode([text], 10_000).input_ids[0].tolist()
-        if a != b:
-            out.append(f"tokenizer: {text!r} encodes to {b[:12]}… here, {a[:12]}… in the reference")
-            break
-    return out
-
-
-def check(layout: Layout, manifest: Manifest, reference_tokenizer, graphs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Raise ExternalExportError naming every difference from the reference; return what was checked."""
-    problems = []
-    config_path = layout.meta / "config.json"
-    config: dict[str, Any] = {}
-    if not config_path.is_file():
-        problems.append(f"no config.json in {layout.meta} (Optimum writes the model's config next to the graphs)")
-    else:
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            problems.append(f"{config_path} is not valid JSON: {e}")
-        problems += _config_differences(config, manifest)
-    for g in graphs:
-        shape = g["logits_shape"]
-        if shape is not None and isinstance(shape[-1], int) and shape[-1] != manifest.vocab_size:
-            problems.append(f"{g['file']} outputs logits over {shape[-1]} ids, the reference's vocabulary has "
-                            f"{manifest.vocab_size}")
-    problems += _tokenizer_differences(layout.meta, manifest, reference_tokenizer)
-    if problems:
-        raise ExternalExportError(
-            f"{layout.folder} is not an export of the reference model ({manifest.root}): " + "; ".join(problems)
-        )
-    return {
-        "config": {k: config.get(k) for k in ("model_type", "architectures", "vocab_size", "d_model",
-                                              "decoder_layers", "transformers_version") if k in config},
-        "checked": [
-            f"vocabulary: {manifest.vocab_size} ids (config.json and the logits)",
-            "special ids: pad, eos, decoder start",
-            f"tokenizer: every id's piece, pad/eos ids, sentencepiece files, {len(PROBE_TEXTS)} probe sentences",
-        ],
-    }
-
-
-# --- the engine -------------------------------------------------------------------------------------
 
 
 def _kv_names(names: list[str], prefix: str, where: str) -> tuple[list[str], list[str]]:

@@ -3,7 +3,7 @@
 The encoder graph also returns every decoder layer's cross-attention keys/values, so they are
 computed once per sentence. The decoder takes the newest token and the self-attention cache, and
 returns the cache grown by one position. The first step feeds an empty past (length 0).
-Serves `ort_fp32_kv_cache`, `ort_fp16` and `ort_int8` (graphs `decoder_fp16`, `decoder_int8`, ...).
+Serves every KV-cache backend of `registry.BACKENDS`, each with its own encoder/decoder graph pair.
 
 Caches stay ORT-owned `OrtValue`s from the step that produced them to the step that reads them
 (`run_with_ort_values`): `session.run` would copy every cache tensor into a new numpy array at

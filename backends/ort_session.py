@@ -48,13 +48,8 @@ class SessionConfig:
 
 
 # ORT's fusion of a residual Add and the LayerNormalization after it into one
-# SkipLayerNormalization kernel is slower on the CPU than the two ops it replaces (ORT 1.32, 2
-# threads, each graph's sessions alternated in one process; results differ by <= 2e-6): the
-# embedded model's int8 encoder at batch 32 x 30 tokens 27.4 -> 21.7 ms, fp32 53.4 -> 48.6, its
-# int8 decoder step at batch 32 3.50 -> 3.30 ms; the opus-sized int8 encoder at batch 32 102 -> 82
-# ms; batch-1 steps unchanged (1.19 / 1.19 ms). Five other fusions tried the same way were as fast
-# or faster on (MatmulTranspose, MatMulIntegerToFloat: 1.6x and 1.16x slower off) or within noise
-# (QuickGelu, DynamicQuantizeMatMul, MatMulScale).
+# SkipLayerNormalization kernel is slower on the CPU than the two ops it replaces, with the same
+# numbers to within rounding (docs/benchmarks.md has the timings, and the other fusions tried).
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 
@@ -74,13 +69,9 @@ def session_options(config: SessionConfig, memory_arena: bool = True) -> "ort.Se
     # One request at a time per process: a second inter-op pool would only compete for the cores.
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Workers spin inside a run, and stop when it ends. Without spinning, each of a step's ~80
-    # parallel kernels waits for a sleeping worker to wake: the embedded decoder step at batch 32
-    # took 4.0 ms against 3.4 spinning (int8 2.3 against 1.8), whole translate() calls 1.31x (fp32)
-    # and 1.09x (int8) the sentences/s at batch 32, 1.25x and 1.38x at batch 1 (docs/benchmarks.md).
-    # ORT's default also spins after the run (~40 ms of a core after each), holding a core that the
-    # next session or the decoding loop's own threads (scoring.score_step) want: that was slower
-    # than not spinning at all, hence the stop.
+    # Workers spin inside a run, and stop when it ends. Without spinning, each of a step's many
+    # small parallel kernels waits for a sleeping worker to wake; spinning on after the run (ORT's
+    # default) holds a core that the next session or the decoding loop's own threads want.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     return options

@@ -22,7 +22,7 @@ class FullGraphStepModel:
     def __init__(self, manifest, config: SessionConfig, tables=None):
         path = manifest.verify_graph("full")
         # No arena: every step's tensors are larger than the last (logits are (b, t, V)), so an arena
-        # only grows; one 256-token output left 100 MB behind in it (bench load found it).
+        # only grows, and keeps its largest size after the request.
         self.session = create_session(path, config, memory_arena=False, tables=tables)
         self.info = session_info(self.session, path, config, "fp32")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from backends.registry import BACKEND_NAMES, GRAPHS
 from corpus import DEV_TSV, Pair, default_sample, read_sentences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,20 +43,13 @@ def resolve_model(model: str | Path | None, threads: int | None = None, log=prin
     return ensure_export(model, EXPORTS / name, log=lambda msg, **_: log(msg), threads=threads)
 
 
-# The graphs each backend reads; a backend whose graphs an export lacks (an export made before
-# that backend existed) is left out of the default set and named in the report.
-GRAPHS_OF = {
-    "ort_fp32_single_step": ("full",),
-    "ort_fp32_kv_cache": ("encoder", "decoder"),
-    "ort_fp16": ("encoder_fp16", "decoder_fp16"),
-    "ort_int8": ("encoder_int8", "decoder_int8"),
-}
+# The graphs each ORT backend reads (backends.registry); a backend whose graphs a sidecar does not
+# list is left out of the default set and named in the report.
+GRAPHS_OF = GRAPHS
 
 
 def default_backends(manifest) -> tuple[list[str], dict[str, str]]:
     """(every backend this export can serve, {left-out backend: why}), in `BACKEND_NAMES` order."""
-    from backends import BACKEND_NAMES
-
     names, skipped = [], {}
     for name in BACKEND_NAMES:
         missing = [g for g in GRAPHS_OF.get(name, ()) if g not in manifest.data["graphs"]]

@@ -10,8 +10,8 @@ one `step` per decoder position, as the decoding loop calls them), greedy ids fr
 `Backend.translate` (the one loop) through `backends.divergence.parity_report`.
 
 Memory: one engine at a time. Each engine (and each backend) is loaded when its turn comes and
-released before the next one loads, next to the PyTorch model and its reference logits; at
-NLLB-600M's size holding PyTorch and four ORT engines at once was ~10 GB of weights.
+released before the next one loads, next to the PyTorch model and its reference logits: at the
+larger families' sizes, every engine at once would not fit beside them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ import torch
 
 from backends import APPROXIMATE, REFERENCE
 from backends.base import StepModel
+from backends.registry import BACKENDS
 from corpus import DEV_TSV, read_sentences
 
 FP32_LOGITS_TOLERANCE = 1e-4
-APPROXIMATE_SUFFIXES = ("_fp16", "_int8")  # reported, not required to match
+# Each ORT engine's key in the logits report; the approximate ones are reported, not required to match.
+ENGINES = {spec.logits_key: spec for spec in BACKENDS.values() if spec.engine is not None}
+APPROXIMATE_KEYS = tuple(key for key, spec in ENGINES.items() if not spec.exact)
 
 
 def read_dev_sentences(path: Path | None, count: int) -> list[str]:
@@ -121,20 +124,14 @@ def _masked_max_abs(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None
 
 
 def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
-    """The engines of the fp32 single-step, fp32 KV-cache, fp16 and int8 backends, by graph family,
-    one at a time: each is built when the caller asks for the next and released after it."""
+    """The engine of every ORT backend (`ENGINES`, by its logits key), one at a time: each is built
+    when the caller asks for the next and released after it."""
     from backends import SessionConfig, load_manifest
-    from backends.ort_kv_cache import KVCacheStepModel
-    from backends.ort_single_step import FullGraphStepModel
 
     manifest = load_manifest(export_dir)
     session = SessionConfig(threads=threads, provider="cpu")
-    makers = {"full": lambda: FullGraphStepModel(manifest, session)}
-    for suffix in ("", *APPROXIMATE_SUFFIXES):
-        makers["kv_cache" + suffix] = (
-            lambda s=suffix: KVCacheStepModel(manifest, session, "encoder" + s, "decoder" + s))
-    for name, make in makers.items():
-        yield name, make()  # the caller drops it before asking for the next
+    for key, spec in ENGINES.items():
+        yield key, spec.engine(spec, manifest, session)  # the caller drops it before asking for the next
         gc.collect()  # the sessions' weights go before the next engine loads
 
 
@@ -159,7 +156,7 @@ def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dic
             logits = _stepped_logits(step_model, case)
             entry["max_abs_logit_diff"][name] = _masked_max_abs(logits, ref_logits)
             entry["argmax_agreement"][name] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
-            if name != "full":  # the full graph has no encoder of its own
+            if hasattr(step_model, "encoder"):  # the full graph has no encoder of its own
                 hidden = _encoder_hidden(step_model, case)
                 entry["max_abs_encoder_hidden_diff"][name] = _masked_max_abs(hidden, ref_hidden, case.attention_mask)
         del step_model  # the last reference: the generator frees the engine before building the next
@@ -217,7 +214,7 @@ def judge(logits: dict, greedy: dict | None, model_decoding: dict | None = None)
     failures = []
     for case in logits["cases"]:
         for name, diff in case["max_abs_logit_diff"].items():
-            if not name.endswith(APPROXIMATE_SUFFIXES) and not diff <= FP32_LOGITS_TOLERANCE:
+            if name not in APPROXIMATE_KEYS and not diff <= FP32_LOGITS_TOLERANCE:
                 failures.append(f"{name}, {case['case']}: max |Δlogit| {diff:.3g} > {FP32_LOGITS_TOLERANCE:g}")
     for label, report in (("greedy", greedy), (decoding_label(model_decoding), model_decoding)):
         if report is None:
@@ -262,24 +259,24 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
     greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads, num_beams=1)
     own = model_decoding_parity(export_dir, greedy_sentences, max_new_tokens, threads)
     failures = judge(logits, greedy, own)
-    approximate = {
-        backend: {
-            "max_abs_logit_diff": max(c["max_abs_logit_diff"]["kv_cache" + suffix] for c in logits["cases"]),
-            "argmax_agreement_min": min(c["argmax_agreement"]["kv_cache" + suffix] for c in logits["cases"]),
-            "greedy": greedy["backends"][backend],
-            "model_decoding": None if own is None else own["backends"][backend],
+    approximate = {  # by precision: "fp16", "int8"
+        spec.precision: {
+            "max_abs_logit_diff": max(c["max_abs_logit_diff"][key] for c in logits["cases"]),
+            "argmax_agreement_min": min(c["argmax_agreement"][key] for c in logits["cases"]),
+            "greedy": greedy["backends"][spec.name],
+            "model_decoding": None if own is None else own["backends"][spec.name],
         }
-        for backend, suffix in zip(APPROXIMATE, APPROXIMATE_SUFFIXES)
+        for key, spec in ENGINES.items()
+        if not spec.exact
     }
     return {
         "fp32_tolerance": FP32_LOGITS_TOLERANCE,
         "fp32_passed": not failures,
         "failures": failures,
         "fp32_max_abs_logit_diff": max(
-            d for c in logits["cases"] for n, d in c["max_abs_logit_diff"].items() if not n.endswith(APPROXIMATE_SUFFIXES)
+            d for c in logits["cases"] for n, d in c["max_abs_logit_diff"].items() if n not in APPROXIMATE_KEYS
         ),
-        "fp16": approximate["ort_fp16"],
-        "int8": approximate["ort_int8"],
+        **approximate,
         "logits": logits["cases"],
         "greedy": greedy,
         "model_decoding": own,

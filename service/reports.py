@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .fmt import num, ratio
+from .speed_verdicts import CACHE_PAIR
 from .speedrun import GREEDY, decoding_sentence, not_measured
 
 
@@ -185,7 +186,7 @@ def render_speed(results: dict) -> str:
             cells += f" | {others['ms']:.2f} | {v['kernels_x_floor']:.2f}" if others else " | – | –"
             out.append(f"| `{g}` | {v['weight_mb']:,} | {v['floor_ms_per_token']:.2f} | {cells} |")
     if results.get("targets"):
-        out += ["", "## Speed targets (issue #16), measured in this run", "", "| target | measured | held? |",
+        out += ["", "## Speed targets, measured in this run", "", "| target | measured | held? |",
                 "|---|---|---|"]
         for t in results["targets"]:
             out.append(f"| {t['target']} | {t['measured']} | {({True: 'yes', False: 'no', None: '–'})[t['held']]} |")
@@ -228,7 +229,7 @@ def render_speed(results: dict) -> str:
         names = list(sweep)
         out += ["", "## Output length sweep (batch 1, forced lengths; median ms per sentence / per token)", ""]
         head = ["tokens"] + [f"`{n}`" for n in names]
-        kv, ss = "ort_fp32_kv_cache", "ort_fp32_single_step"
+        kv, ss = CACHE_PAIR
         if kv in sweep and ss in sweep:
             head.append("single-step / KV cache")
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

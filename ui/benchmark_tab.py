@@ -18,6 +18,7 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from backends import REFERENCE
 from service.fmt import num, ratio
 from service.quickbench import (
     FULL_COMMAND,
@@ -129,7 +130,7 @@ def header_md(report: dict, export: Path | None, newest_is_other: dict | None = 
 def table(results: dict) -> pd.DataFrame:
     """One row per runtime; columns a quick run does not measure (load, memory, size) left out."""
     rt, o = results["runtimes"], results["options"]
-    ref = results.get("reference") or "pytorch"
+    ref = results.get("reference") or REFERENCE
     bs = [str(b) for b in o["batch_sizes"]]
     big = bs[-1]
     measured = {k: any(r.get(k) is not None for r in rt.values()) for k in ("load_s", "peak_rss_mb", "size_bytes")}
@@ -164,7 +165,7 @@ def table(results: dict) -> pd.DataFrame:
 
 
 def notes_md(results: dict) -> str:
-    ref = results.get("reference") or "pytorch"
+    ref = results.get("reference") or REFERENCE
     big = results["options"]["batch_sizes"][-1]
     lines = [
         f"p50 vs {ref}: latency ratio (below 1× is faster); batch {big} vs {ref}: throughput ratio "

@@ -1,8 +1,8 @@
 """The Compare tab: one text through every backend, side by side, and the `compare` API.
 
-Layout and events only: the work is `service.compare_iter`, the HTML and figures come from
-`compare_render`. The page's own handler streams a frame per finished backend; the named API
-endpoint `compare` returns the same JSON the page renders.
+Layout and events only: the work is `service.compare_iter`, the HTML comes from `compare_render`,
+the latency table and figures from `compare_figures`. The page's own handler streams a frame per
+finished backend; the named API endpoint `compare` returns the same JSON the page renders.
 """
 
 from __future__ import annotations
@@ -16,17 +16,8 @@ from backends.memory import trim_heap
 from service import MAX_REPEAT, InputError, compare_iter, decoding_for, decoding_json, plan, segments_json, to_json
 from service.locate import locate_for_ui
 
-from .compare_render import (
-    LABELS,
-    LATENCY_HEADERS,
-    decoding_md,
-    divergence_html,
-    forced_figure,
-    latency_figure,
-    latency_rows,
-    panel_html,
-    segments_html,
-)
+from .compare_figures import LATENCY_HEADERS, forced_figure, latency_figure, latency_rows
+from .compare_render import LABELS, decoding_md, divergence_html, panel_html, segments_html
 from .locate_render import locate_figure, locate_html
 from .state import Loaded
 

@@ -12,7 +12,7 @@ import html
 import math
 from typing import Any
 
-from .compare_render import LABELS
+from backends.registry import LABELS
 
 CSS = """
 .locate-summary { font-weight: 600; margin: 4px 0; }
