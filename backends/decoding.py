@@ -108,7 +108,7 @@ def decode(
     `threads`: how many threads may score a step's logits (the backend's own thread count).
     """
     decoder = _token_decoder(model, input_ids.shape[0], special, options, rules, threads)
-    clock, rows = EngineClock(), RowCompaction(model, input_ids.shape[0])
+    clock, compaction = EngineClock(), RowCompaction(model, input_ids.shape[0])
     start = time.perf_counter()
     state = clock.run(model.encode, input_ids, attention_mask)
     if decoder.width > 1:
@@ -118,14 +118,14 @@ def decode(
     first_token = None
     for step in range(options.max_new_tokens):
         # A fresh (rows, V) array each step (a view of the engine's output): processed in place.
-        logits = clock.run(_step_logits, model, state, rows.ids(decoder_ids))
-        decoder_ids, beam_idx, done = decoder.update(step, decoder_ids, logits, rows.rows)
+        logits = clock.run(_step_logits, model, state, compaction.ids(decoder_ids))
+        decoder_ids, beam_idx, done = decoder.update(step, decoder_ids, logits, compaction.rows)
         first_token = first_token or time.perf_counter()
         if done:
             break
         if beam_idx is not None:
-            rows.reorder(state, beam_idx, clock)
-        rows.drop_finished(state, decoder, decoder_ids.shape[0], clock)
+            compaction.reorder(state, beam_idx, clock)
+        compaction.drop_finished(state, decoder, decoder_ids.shape[0], clock)
     end = time.perf_counter()
     return decoder.finish(_timings(start, encoded, first_token, end, decoder_ids.shape[1] - 1, clock.seconds))
 

@@ -23,20 +23,22 @@ from .options import DecodeOptions
 Pairs = tuple[np.ndarray, np.ndarray]  # (rows, ids): single entries of a (rows, V) array
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RowBlock:
     """Rows lo .. hi of a step's scores, as one thread sees them."""
 
     lo: int
     hi: int
-    non_finite: np.ndarray  # (hi - lo,) rows whose raw logits hold NaN or +-inf
+    whole: bool  # the block is every row of the step
+    non_finite: np.ndarray | None  # (hi - lo,) rows whose raw logits hold NaN or +-inf; None until known
     finished: np.ndarray | None  # (hi - lo,) greedy search's finished rows; None in beam search
 
-
-def pairs_in(pairs: Pairs, lo: int, hi: int) -> Pairs:
-    """The entries of rows lo .. hi, renumbered from lo."""
-    keep = (pairs[0] >= lo) & (pairs[0] < hi)
-    return pairs[0][keep] - lo, pairs[1][keep]
+    def entries(self, pairs: Pairs) -> Pairs:
+        """The entries (rows, ids) of a step that fall in this block, rows counted from its first."""
+        if self.whole:
+            return pairs
+        keep = (pairs[0] >= self.lo) & (pairs[0] < self.hi)
+        return pairs[0][keep] - self.lo, pairs[1][keep]
 
 
 def unique_per_row(ids: np.ndarray) -> Pairs:
@@ -90,7 +92,7 @@ class RepetitionPenalty(LogitsProcessor):
         return np.where(scores < 0, scores * self.penalty, scores / self.penalty)
 
     def __call__(self, scores: np.ndarray, block: RowBlock) -> None:
-        pairs = pairs_in(self.pairs, block.lo, block.hi)
+        pairs = block.entries(self.pairs)
         scores[pairs] = self.penalise(scores[pairs])
 
 
@@ -118,7 +120,7 @@ class NoRepeatNGram(Mask):
 
     def __call__(self, scores: np.ndarray, block: RowBlock) -> None:
         if self.pairs is not None:
-            scores[pairs_in(self.pairs, block.lo, block.hi)] = -np.inf
+            scores[block.entries(self.pairs)] = -np.inf
 
     def masked(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
         return _pairs_masked(self.pairs, rows, ids)
@@ -146,7 +148,7 @@ class NoBadWords(Mask):
     def __call__(self, scores: np.ndarray, block: RowBlock) -> None:
         scores[:, self.single] = -np.inf
         if self.pairs is not None:
-            scores[pairs_in(self.pairs, block.lo, block.hi)] = -np.inf
+            scores[block.entries(self.pairs)] = -np.inf
 
     def masked(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
         masked = np.isin(ids, self.single)

@@ -22,7 +22,6 @@ from .processors import (
     RepetitionPenalty,
     Renormalize,
     RowBlock,
-    pairs_in,
 )
 
 
@@ -168,7 +167,8 @@ def _workers(n: int) -> ThreadPoolExecutor:
 
 
 def _on_row_blocks(fn, logits: np.ndarray, threads: int, *args):
-    """fn(logits[lo:hi], lo, *args) on up to `threads` threads, results concatenated along the rows.
+    """fn(logits[lo:hi], lo, whole, *args) on up to `threads` threads, results concatenated along the
+    rows (`whole`: the block is every row).
 
     The engine's own threads sit idle between steps, and this scoring (passes over every logit
     plus the top-k) is a visible share of a batched step; numpy releases the GIL inside its loops,
@@ -178,25 +178,27 @@ def _on_row_blocks(fn, logits: np.ndarray, threads: int, *args):
     b = logits.shape[0]
     parts = max(1, min(threads, b // _MIN_ROWS_PER_PART))
     if parts == 1:
-        return fn(logits, 0, *args)
+        return fn(logits, 0, True, *args)
     edges = [b * i // parts for i in range(parts + 1)]
     pool = _workers(parts - 1)
-    futures = [pool.submit(fn, logits[lo:hi], lo, *args) for lo, hi in zip(edges[1:-1], edges[2:])]
-    first = fn(logits[: edges[1]], 0, *args)
+    futures = [pool.submit(fn, logits[lo:hi], lo, False, *args) for lo, hi in zip(edges[1:-1], edges[2:])]
+    first = fn(logits[: edges[1]], 0, False, *args)
     return tuple(
         None if pieces[0] is None else np.concatenate(pieces) for pieces in zip(first, *(f.result() for f in futures))
     )
 
 
 def _greedy_block(
-    logits: np.ndarray, lo: int, finished: np.ndarray, processors: list[LogitsProcessor], k: int, scores: bool
+    logits: np.ndarray, lo: int, whole: bool, finished: np.ndarray, processors: list[LogitsProcessor], k: int,
+    scores: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     hi = lo + logits.shape[0]
+    block = RowBlock(lo, hi, whole, None, finished[lo:hi])
     # The penalty comes first in generate()'s order and may overflow a logit: checked after it.
     for p in processors:
         if isinstance(p, RepetitionPenalty):
-            p(logits, RowBlock(lo, hi, np.zeros(0, dtype=bool), None))
-    block = RowBlock(lo, hi, non_finite_rows(logits), finished[lo:hi])
+            p(logits, block)
+    block.non_finite = non_finite_rows(logits)
     for p in processors:
         if not isinstance(p, RepetitionPenalty):
             p(logits, block)
@@ -228,17 +230,17 @@ def greedy_scores(
 
 
 def _beam_block(
-    logits: np.ndarray, lo: int, masks: list[Mask], excluded: Pairs | None, k: int, renormalize: bool
+    logits: np.ndarray, lo: int, whole: bool, masks: list[Mask], excluded: Pairs | None, k: int, renormalize: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
     """-> non-finite rows (r,), lse of the raw row (r, 1), lse of the masked row (r, 1) when
     renormalizing, top ids (r, k) of the masked row."""
     hi = lo + logits.shape[0]
-    block = RowBlock(lo, hi, non_finite_rows(logits), None)
+    block = RowBlock(lo, hi, whole, non_finite_rows(logits), None)
     lse = log_normalizer(logits)  # generate() takes log_softmax over the raw row, then processes
     for m in masks:
         m(logits, block)
     if excluded is not None:
-        logits[pairs_in(excluded, lo, hi)] = -np.inf
+        logits[block.entries(excluded)] = -np.inf
     masked_lse = log_normalizer(logits) if renormalize else None
     return block.non_finite, lse, masked_lse, _top_k(logits, k)
 

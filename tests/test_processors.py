@@ -31,7 +31,7 @@ V, EOS = 12, 1
 
 def _block(rows: int, lo: int = 0, non_finite=None, finished=None) -> RowBlock:
     non_finite = np.zeros(rows, bool) if non_finite is None else np.asarray(non_finite)
-    return RowBlock(lo, lo + rows, non_finite, finished)
+    return RowBlock(lo, lo + rows, False, non_finite, finished)
 
 
 def _scores(rows: int = 3) -> np.ndarray:
