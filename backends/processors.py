@@ -3,7 +3,7 @@
 Each step a token decoder calls `prepare` on every processor once (it reads the rows' decoder ids
 so far, decoder start included, as generate()'s processors do, vectorised over the rows), then the
 processors act in place on row blocks of that step's scores (`__call__`, on the block's thread:
-see `scoring.py`), so a processor never loops over rows in Python.
+see `scoring.py`), as whole-array numpy operations rather than a Python loop over the rows.
 
 Greedy search applies the list to the raw logits, as generate()'s `_sample` does. Beam search
 applies it to log-probabilities; since a mask (-inf) is the same before and after log_softmax's
