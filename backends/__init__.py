@@ -12,7 +12,9 @@ import logging
 import re
 from pathlib import Path
 
-from .base import MAX_BEAMS, Backend, DecodeOptions, ForcedScores, Hypothesis, StepScore, Translation
+from .backend import Backend
+from .options import MAX_BEAMS, DecodeOptions
+from .results import ForcedScores, Hypothesis, StepScore, Translation
 from .manifest import GenerationDefaults, Manifest, ManifestError, UnsupportedGeneration, load_manifest
 from .ort_session import SessionConfig
 from .registry import APPROXIMATE, BACKEND_NAMES, BACKENDS, GRAPHS, REFERENCE, BackendSpec, spec_of

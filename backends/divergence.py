@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import ForcedScores, StepScore, Translation
+from .results import ForcedScores, StepScore, Translation
 
 
 @dataclass(frozen=True)

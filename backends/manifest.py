@@ -12,6 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .generation import (
+    GENERATE_DEFAULTS,
+    SUPPORTED_GENERATION,
+    GenerationDefaults,
+    SpecialTokens,
+    UnsupportedGeneration,
+)
+from .options import DecodeOptions
+
 MANIFEST_NAME = "manifest.json"
 FORMAT = "marian-onnx-export"
 # 2: tied output layer stored pre-transposed, int8 embeddings (export/rewrite.py)
@@ -22,7 +31,8 @@ FORMAT_VERSION = 5
 FORMAT_CHANGE = ("the decoder's cache appended inside ONNX Runtime's MultiHeadAttention and q/k/v packed into one "
                  "MatMul, same numbers, fewer nodes per step")
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
-# A Marian export's tokenizer files; other families list theirs in the sidecar's "tokenizer" section.
+# The files a Marian tokenizer needs; the export checks it wrote them (every export lists its own
+# in the sidecar's "tokenizer" section).
 TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json")
 
 
@@ -38,15 +48,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class SpecialTokens:
-    pad: int
-    eos: int
-    unk: int
-    decoder_start: int
-    bad_words_ids: tuple[int, ...]  # single-token bad words only; masked at every step
-
-
 # --- the model's generation config ----------------------------------------------------------------
 #
 # Recorded at export from `model.generation_config` (transformers 5.24) and used by every backend as
@@ -54,26 +55,6 @@ class SpecialTokens:
 # would change generate()'s output and that the decoding loop does not implement is refused at
 # export, naming it: never silently ignored.
 
-# transformers 5.24 `GenerationConfig._get_default_generation_params()`: what an unset field means
-# (tests/test_beam.py checks this copy against the installed transformers).
-GENERATE_DEFAULTS: dict[str, Any] = {
-    "max_length": 20, "min_length": 0, "do_sample": False, "use_cache": True, "early_stopping": False,
-    "num_beams": 1, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0,
-    "repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "num_return_sequences": 1,
-    "output_scores": False, "return_dict_in_generate": False, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "remove_invalid_values": False, "exponential_decay_length_penalty": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "encoder_repetition_penalty": 1.0, "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-    "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10, "target_lookbehind": 10,
-    "num_beam_groups": 1, "diversity_penalty": 0.0,
-}
-# Implemented by backends/strategies.py and processors.py, and recorded in the sidecar.
-SUPPORTED_GENERATION = (
-    "num_beams", "length_penalty", "early_stopping", "max_length", "max_new_tokens", "min_length",
-    "min_new_tokens", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "no_repeat_ngram_size",
-    "repetition_penalty", "num_return_sequences", "renormalize_logits",
-)
 # The model's special ids: must agree with its config (the backends use those).
 _IDENTITY = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 # Change how generate() runs, not which tokens it returns.
@@ -90,35 +71,6 @@ _ASSISTANT_ONLY = (
     "assistant_lookbehind", "target_lookbehind", "assistant_early_exit", "assistant_ensemble_weight",
     "max_matching_ngram_size", "speculation_type",
 )
-
-
-class UnsupportedGeneration(ValueError):
-    """The model's generation config asks for decoding the backends do not implement."""
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """The sidecar's "generation" section: decoding defaults and the model's fixed rules."""
-
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    max_new_tokens: int | None = None  # None: the position limit (`limits.max_new_tokens`)
-    min_new_tokens: int = 0
-    no_repeat_ngram_size: int = 0
-    repetition_penalty: float = 1.0
-    num_return_sequences: int = 1
-    # The model's rules, applied on every call (not per-call options):
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # as generate() masks them (a lone eos is never banned)
-    forced_bos_token_id: int | None = None  # the first generated token
-    forced_eos_token_id: int | None = None  # the last token at the length cap (beam search; see processors.py)
-    renormalize_logits: bool = False  # log-softmax again after the processors
-
-    @classmethod
-    def from_section(cls, section: dict[str, Any]) -> "GenerationDefaults":
-        fields = {k: section[k] for k in cls.__dataclass_fields__ if k in section}
-        fields["bad_words_ids"] = tuple(tuple(ids) for ids in fields.get("bad_words_ids") or ())
-        return cls(**fields)
 
 
 def _is_set(value: Any) -> bool:
@@ -212,9 +164,7 @@ def generation_section(
     }
     section["length_penalty"] = float(section["length_penalty"])
     section["repetition_penalty"] = float(section["repetition_penalty"])
-    from .base import DecodeOptions  # the one place option ranges are checked
-
-    try:
+    try:  # DecodeOptions is the one place option ranges are checked
         DecodeOptions().resolved(limit, GenerationDefaults.from_section(section))
     except ValueError as e:
         raise UnsupportedGeneration(f"the model's generation config is outside what the backends take: {e}") from e
@@ -228,14 +178,7 @@ class Manifest:
 
     @property
     def special(self) -> SpecialTokens:
-        s = self.data["special_tokens"]
-        return SpecialTokens(
-            pad=s["pad"],
-            eos=s["eos"],
-            unk=s["unk"],
-            decoder_start=s["decoder_start"],
-            bad_words_ids=tuple(ids[0] for ids in s["bad_words_ids"] if len(ids) == 1),
-        )
+        return SpecialTokens.from_section(self.data["special_tokens"])
 
     @property
     def generation(self) -> GenerationDefaults:
@@ -287,21 +230,20 @@ class Manifest:
 
     @property
     def family(self) -> str:
-        """"marian", "m2m_100" or "mbart" (export/families.py); exports without the key are Marian."""
-        return (self.data.get("family") or {}).get("name", "marian")
+        """"marian", "m2m_100" or "mbart" (export/families.py)."""
+        return self.data["family"]["name"]
 
     @property
     def architecture(self) -> str:
-        return self.data["model"].get("architecture", "MarianMTModel")
+        return self.data["model"]["architecture"]
 
     @property
     def tokenizer_class(self) -> str:
-        return (self.data.get("tokenizer") or {}).get("class", "MarianTokenizer")
+        return self.data["tokenizer"]["class"]
 
     @property
     def tokenizer_files(self) -> tuple[str, ...]:
-        recorded = (self.data.get("tokenizer") or {}).get("files")
-        return tuple(recorded) if recorded else TOKENIZER_FILES
+        return tuple(self.data["tokenizer"]["files"])
 
     @property
     def languages(self) -> dict[str, Any] | None:
@@ -361,7 +303,8 @@ def load_manifest(export_dir: str | Path) -> Manifest:
             f"expected {FORMAT!r} v{FORMAT_VERSION}"
         )
     missing = [
-        k for k in ("model", "special_tokens", "limits", "generation", "graphs", "files", "verification") if k not in data
+        k for k in ("model", "family", "tokenizer", "special_tokens", "limits", "generation", "graphs", "files",
+                    "verification") if k not in data
     ]
     if missing:
         raise ManifestError(f"{path} lacks: {', '.join(missing)}")

@@ -299,7 +299,7 @@ def _probe_vocab(model: ExternalStepModel, special) -> int:
 def load(name: str, path: str | Path, manifest: Manifest, tokenizer, session: SessionConfig):
     """The `Backend` named `name` over the Optimum-layout export at `path`, checked against the
     reference export (`manifest`, its `tokenizer`). Raises ExternalExportError naming what differs."""
-    from .base import Backend
+    from .backend import Backend
 
     layout = find_layout(path)
     graphs = [describe_graph(p) for p in layout.graphs]

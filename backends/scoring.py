@@ -1,8 +1,9 @@
-"""Scoring one decoding step's logits: log-normalizers, the exact top-k, and the row-block threads.
+"""Scoring one decoding step's logits: the processors, log-normalizers, the exact top-k, and the
+row-block threads.
 
-These are the hot numpy passes over a (rows, V) array each step; `strategies.py` decides what to
-do with their results. Each row is computed by the same code whichever block it lands in, so the
-results are independent of the thread count.
+These are the hot numpy passes over a (rows, V) array each step; the token decoders (`greedy.py`,
+`beam_search.py`) decide what to do with their results. Each row is computed by the same code
+whichever block it lands in, so the results are independent of the thread count.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from .processors import (
+    ForcedToken,
+    LogitsProcessor,
+    Mask,
+    NonFiniteEndsAtEos,
+    Pairs,
+    RepetitionPenalty,
+    Renormalize,
+    RowBlock,
+)
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     # logits (b, V) -> log-probabilities (b, V), computed in float64 so backends compare fairly
@@ -23,9 +36,9 @@ def log_normalizer(logits: np.ndarray, row_max: np.ndarray | None = None, in_pla
     """logits (b, V) float32 -> log-sum-exp (b, 1) float64.
 
     The few log-probs the loop reports are logit - lse, so a full log-softmax over the vocabulary
-    is never materialised. The sum of exp runs in float32 (numpy's pairwise summation: relative
-    error ~1e-7 here, far below any drift we report); a float64 sum of 65001 logits per row cost
-    more than the top-k itself.
+    is never materialised. The sum of exp runs in float32: numpy's pairwise summation keeps its
+    error far below any drift we report, and a float64 sum over the vocabulary costs more than the
+    top-k itself.
 
     exp() runs on the logits as they are, without subtracting the row's maximum first (one pass
     fewer over the row, the same float32 precision) wherever that is safe: no term overflows and
@@ -70,9 +83,9 @@ def non_finite_rows(logits: np.ndarray) -> np.ndarray:
     """logits (b, V) -> (b,) True where a row holds NaN or +-inf.
 
     A row's sum is finite exactly when every entry is (|logits| are far from float32's max).
-    einsum's unrolled sum reads the row once, a third of the time of ndarray.sum's pairwise one
-    (whose precision is not needed here); a BLAS row sum (logits @ ones) would be faster still
-    but wakes OpenBLAS's own threads, which then spin on the cores ORT needs next.
+    einsum's unrolled sum reads the row once, faster than ndarray.sum's pairwise one (whose
+    precision is not needed here); a BLAS row sum (logits @ ones) would be faster still but wakes
+    OpenBLAS's own threads, which then spin on the cores ORT needs next.
     """
     return ~np.isfinite(np.einsum("ij->i", logits))
 
@@ -112,7 +125,7 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     kth = np.partition(block_max, -k, axis=-1)[:, -k]  # (b,) NaN sorts last: a NaN row's is NaN or larger
     rare = np.isnan(block_max).any(axis=-1) | ~(kth > -np.inf)
     threshold = np.where(rare, np.inf, kth)[:, None]  # a rare row yields no candidates here
-    # flatnonzero, then divmod: np.nonzero on the 2-d mask took 15x longer (1.3 ms at 32 x 15123)
+    # flatnonzero, then divmod: np.nonzero on the 2-d mask is far slower
     rows, ids = np.divmod(np.flatnonzero(scores >= threshold), v)  # row-major: grouped by row
     values = scores[rows, ids]
     order = np.lexsort((ids, -values, rows))  # by row, then value desc, then id asc
@@ -138,8 +151,7 @@ def _top_k_rare(row: np.ndarray, k: int) -> np.ndarray:
     return best
 
 
-# Rows per thread below which splitting a batch costs more than it saves (one 65001-wide row
-# takes ~0.17 ms to score).
+# Rows per thread below which splitting a batch costs more than it saves.
 _MIN_ROWS_PER_PART = 4
 _pool: tuple[ThreadPoolExecutor, int] | None = None  # (pool, its size)
 _pool_lock = threading.Lock()
@@ -154,120 +166,129 @@ def _workers(n: int) -> ThreadPoolExecutor:
         return _pool[0]
 
 
-Pairs = tuple[np.ndarray, np.ndarray]  # (rows, ids): single entries of a (rows, V) array
+def _on_row_blocks(fn, logits: np.ndarray, threads: int, *args):
+    """fn(logits[lo:hi], lo, whole, *args) on up to `threads` threads, results concatenated along the
+    rows (`whole`: the block is every row).
 
-
-def _pairs_in(pairs: Pairs | None, lo: int, hi: int) -> Pairs | None:
-    if pairs is None:
-        return None
-    keep = (pairs[0] >= lo) & (pairs[0] < hi)
-    return pairs[0][keep] - lo, pairs[1][keep]
-
-
-def _on_row_blocks(fn, logits: np.ndarray, rows: tuple, pairs: Pairs | None, threads: int, *args):
-    """fn(logits[lo:hi], *(r[lo:hi] for r in rows), pairs of those rows, *args) on up to `threads`
-    threads, results concatenated along the rows.
-
-    The engine's own threads sit idle between steps, and at batch 32 this scoring (three passes
-    over 32 x 65001 logits plus the top-k) was a fifth of an fp32 step and a third of an int8
-    one. numpy releases the GIL inside its loops, so the blocks run in parallel. Each row is
-    computed by the same code whichever block it lands in: results equal the one-thread ones.
+    The engine's own threads sit idle between steps, and this scoring (passes over every logit
+    plus the top-k) is a visible share of a batched step; numpy releases the GIL inside its loops,
+    so the blocks run in parallel. Each row is computed by the same code whichever block it lands
+    in: results equal the one-thread ones.
     """
     b = logits.shape[0]
     parts = max(1, min(threads, b // _MIN_ROWS_PER_PART))
     if parts == 1:
-        return fn(logits, *rows, pairs, *args)
+        return fn(logits, 0, True, *args)
     edges = [b * i // parts for i in range(parts + 1)]
     pool = _workers(parts - 1)
-    futures = [
-        pool.submit(fn, logits[lo:hi], *(r[lo:hi] for r in rows), _pairs_in(pairs, lo, hi), *args)
-        for lo, hi in zip(edges[1:-1], edges[2:])
-    ]
-    first = fn(logits[: edges[1]], *(r[: edges[1]] for r in rows), _pairs_in(pairs, 0, edges[1]), *args)
+    futures = [pool.submit(fn, logits[lo:hi], lo, False, *args) for lo, hi in zip(edges[1:-1], edges[2:])]
+    first = fn(logits[: edges[1]], 0, False, *args)
     return tuple(
         None if pieces[0] is None else np.concatenate(pieces) for pieces in zip(first, *(f.result() for f in futures))
     )
 
 
-def _score_rows(
-    logits: np.ndarray,
-    finished: np.ndarray,
-    banned: Pairs | None,
-    bad: np.ndarray,
-    mask_eos: bool,
-    eos: int,
-    k: int,
-    forced: int | None = None,
-    scores: bool = True,
+def _greedy_block(
+    logits: np.ndarray, lo: int, whole: bool, finished: np.ndarray, processors: list[LogitsProcessor], k: int,
+    scores: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Greedy: logits (r, V) float32, masked in place and then consumed -> non-finite rows (r,),
-    top ids (r, k) and their log-probs (r, k) float64 (None when not `scores`).
-
-    The log-probs reported are over the tokens left after the masks (logit - lse of the masked row).
-    """
-    non_finite = non_finite_rows(logits)
-    logits[:, bad] = -np.inf
-    if mask_eos:
-        logits[:, eos] = -np.inf
-    if banned is not None:
-        logits[banned] = -np.inf
-    # A NaN row would make argmax meaningless: score it as all -inf apart from eos, so the row
-    # ends here and the step is reported instead of shown as a translation.
-    for row in np.flatnonzero(non_finite & ~finished):
-        logits[row] = -np.inf
-        logits[row, eos] = 0.0
-    if forced is not None:  # generate()'s forced BOS: every other token -inf, this one 0
-        logits[:] = -np.inf
-        logits[:, forced] = 0.0
+    hi = lo + logits.shape[0]
+    block = RowBlock(lo, hi, whole, None, finished[lo:hi])
+    # The penalty comes first in generate()'s order and may overflow a logit: checked after it.
+    for p in processors:
+        if isinstance(p, RepetitionPenalty):
+            p(logits, block)
+    block.non_finite = non_finite_rows(logits)
+    for p in processors:
+        if not isinstance(p, RepetitionPenalty):
+            p(logits, block)
     top = _top_k(logits, k)
     if not scores:
-        return non_finite, top, None
+        return block.non_finite, top, None
     values = np.take_along_axis(logits, top, axis=-1)  # (r, k); [:, :1] is each row's maximum
-    return non_finite, top, values - log_normalizer(logits, values[:, :1], in_place=True)
+    return block.non_finite, top, values - log_normalizer(logits, values[:, :1], in_place=True)
 
 
-def score_step(
+def greedy_scores(
     logits: np.ndarray,
     finished: np.ndarray,
-    bad: np.ndarray,
-    mask_eos: bool,
-    eos: int,
+    processors: list[LogitsProcessor],
     k: int,
     threads: int = 1,
-    banned: Pairs | None = None,
-    forced: int | None = None,
     scores: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """`_score_rows` over the batch, cut into row blocks on up to `threads` threads (one without
-    `scores`: two passes over the row are left, and at batch 32 handing half of them to a second
-    thread cost more than it saved: 560 vs 380 us a step, real logits of the embedded model)."""
-    threads = threads if scores else 1
-    return _on_row_blocks(_score_rows, logits, (finished,), banned, threads, bad, mask_eos, eos, k, forced, scores)
+    """Greedy search: logits (r, V) float32, processed in place and then consumed -> non-finite rows
+    (r,), top ids (r, k) and their log-probs (r, k) float64 (None when not `scores`).
 
-
-def _beam_rows(
-    logits: np.ndarray, excluded: Pairs | None, bad: np.ndarray, mask_eos: bool, eos: int, k: int, renormalize: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-    """Beam search: logits (r, V) float32, masked in place -> non-finite rows (r,), lse of the raw
-    row (r, 1), lse of the masked row (r, 1) when renormalizing, top ids (r, k) of the masked row.
-
-    generate()'s beam search takes log_softmax over the whole vocabulary first, then masks: the
-    normalizer comes from the raw row. `excluded` entries (masked n-grams and bad words, and the
-    repetition-penalised ids the caller scores itself) are left out of the top-k.
+    The processors (already `prepare`d for this step) act on the raw logits, as in generate()'s
+    `_sample`; the log-probs reported are over the tokens they leave (logit - lse of the processed
+    row). Row blocks run on up to `threads` threads, one without `scores`: two cheap passes over
+    the row are left, and handing half of them to a second thread costs more than it saves.
     """
-    non_finite = non_finite_rows(logits)
-    lse = log_normalizer(logits)
-    logits[:, bad] = -np.inf
-    if mask_eos:
-        logits[:, eos] = -np.inf
-    if excluded is not None:
-        logits[excluded] = -np.inf
-    masked_lse = log_normalizer(logits) if renormalize else None
-    return non_finite, lse, masked_lse, _top_k(logits, k)
+    threads = threads if scores else 1
+    return _on_row_blocks(_greedy_block, logits, threads, finished, processors, k, scores)
 
 
-def beam_step_scores(
-    logits: np.ndarray, excluded: Pairs | None, threads: int, bad: np.ndarray, mask_eos: bool, eos: int, k: int, renormalize: bool
+def _beam_block(
+    logits: np.ndarray, lo: int, whole: bool, masks: list[Mask], excluded: Pairs | None, k: int, renormalize: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-    """`_beam_rows` over the batch, cut into row blocks on up to `threads` threads."""
-    return _on_row_blocks(_beam_rows, logits, (), excluded, threads, bad, mask_eos, eos, k, renormalize)
+    """-> non-finite rows (r,), lse of the raw row (r, 1), lse of the masked row (r, 1) when
+    renormalizing, top ids (r, k) of the masked row."""
+    hi = lo + logits.shape[0]
+    block = RowBlock(lo, hi, whole, non_finite_rows(logits), None)
+    lse = log_normalizer(logits)  # generate() takes log_softmax over the raw row, then processes
+    for m in masks:
+        m(logits, block)
+    if excluded is not None:
+        logits[block.entries(excluded)] = -np.inf
+    masked_lse = log_normalizer(logits) if renormalize else None
+    return block.non_finite, lse, masked_lse, _top_k(logits, k)
+
+
+def beam_scores(
+    logits: np.ndarray, processors: list[LogitsProcessor], k: int, threads: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Beam search: logits (r, V) float32, masked in place -> ids (r, k) and their processed
+    log-probs (r, k) float64, best first, and the non-finite rows (r,).
+
+    generate() applies the processors (already `prepare`d for this step) to log_softmax of the raw
+    row. The masks act on the logits before the top-k; the repetition penalty's entries are left
+    out of the top-k and scored exactly from the raw row, then merged in; a forced token, or eos
+    for a NaN row (reported as a non-finite step), is the one candidate at log-prob 0, with the
+    row's best others kept as its alternatives at -inf; renormalizing subtracts the log of the mass
+    the processors leave.
+    """
+    masks = [p for p in processors if isinstance(p, Mask)]
+    penalty = next((p for p in processors if isinstance(p, RepetitionPenalty)), None)
+    repeated = None if penalty is None else penalty.pairs
+    renormalize = any(isinstance(p, Renormalize) for p in processors)
+    raw = None if repeated is None else logits[repeated].astype(np.float64)  # before any mask
+    non_finite, lse, masked_lse, top = _on_row_blocks(_beam_block, logits, threads, masks, repeated, k, renormalize)
+    values = np.take_along_axis(logits, top, axis=-1) - lse  # (r, k) float64
+    norm = None if masked_lse is None else masked_lse - lse  # log of the mass the masks leave
+    if repeated is not None:
+        r, ids = repeated
+        penalised = penalty.penalise(raw - lse[r, 0])
+        for m in masks:
+            masked = m.masked(r, ids)
+            if masked is not None:
+                penalised[masked] = -np.inf
+        for row in np.unique(r):  # rows holding a penalised id that could enter the top-k
+            mine = r == row
+            cand_ids = np.concatenate([top[row], ids[mine]])
+            cand_values = np.concatenate([values[row], penalised[mine]])
+            order = np.lexsort((cand_ids, -cand_values))[:k]
+            top[row], values[row] = cand_ids[order], cand_values[order]
+            if norm is not None:
+                norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[mine]))
+    if norm is not None:  # renormalize_logits: log_softmax again after the processors
+        values -= norm
+    forced = next((p.now for p in processors if isinstance(p, ForcedToken) and p.now is not None), None)
+    nan_eos = next((p.eos for p in processors if isinstance(p, NonFiniteEndsAtEos)), None)
+    for row in range(logits.shape[0]):
+        only = forced if forced is not None else nan_eos if non_finite[row] else None
+        if only is not None:
+            others = top[row][top[row] != only][: k - 1]
+            top[row, 0], top[row, 1:] = only, others
+            values[row, 0], values[row, 1:] = 0.0, -np.inf
+    return top, values, non_finite

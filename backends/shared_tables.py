@@ -2,10 +2,10 @@
 
 The app holds five backends of one model, and the same tables recur across them: the tied
 (d, V) output/embedding matrix is in both the single-step and the KV-cache decoder graphs, and
-the (V, d) token embedding is in PyTorch's model and the fp32 encoder graph: 127 MiB each at
-opus-mt-en-zh's size. ONNX Runtime frees a MatMul's weight once it has packed its own copy, but a
-table that a Gather reads stays resident in every session that loads it. Handing ORT one shared
-buffer (`SessionOptions.add_initializer`) keeps a single copy.
+the (V, d) token embedding is in PyTorch's model and the fp32 encoder graph, each among the
+largest tensors of a model. ONNX Runtime frees a MatMul's weight once it has packed its own copy,
+but a table that a Gather reads stays resident in every session that loads it. Handing ORT one
+shared buffer (`SessionOptions.add_initializer`) keeps a single copy.
 
 Tables are matched by dtype, shape and bytes, never by name, so a table is only shared with
 another that holds exactly the same numbers; only tables of the same dtype and shape are compared.
@@ -53,7 +53,7 @@ class SharedTables:
 
         MatMul-only weights are left to ORT: it packs them and frees the original, and a shared
         buffer would stop it freeing. A graph with external data is read without it; only the
-        tables returned are read from its data file (NLLB-600M's full graph: 2.5 GB not loaded).
+        tables returned are read from its data file, so a large model's weights are not loaded twice.
         """
         import onnx
         from onnx import numpy_helper

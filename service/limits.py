@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends import REFERENCE, Backend, DecodeOptions, InputError
-from backends.base import MAX_BEAMS
+from backends.options import MAX_BEAMS
 
 from .segment import Segment, clean, split_text
 

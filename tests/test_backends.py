@@ -256,9 +256,10 @@ def test_fast_top_k_equals_a_full_sort(kind, rows):
 
 @pytest.mark.parametrize("batch", [4, 9, 32])
 def test_scoring_a_step_on_threads_equals_one_thread(batch):
-    """score_step cuts the batch into row blocks on threads: every output must equal the
+    """greedy_scores cuts the batch into row blocks on threads: every output must equal the
     one-thread result, including the masks, rows that are already finished and NaN rows."""
-    from backends.scoring import score_step
+    from backends.processors import MinNewTokens, NoBadWords, NonFiniteEndsAtEos, prepare
+    from backends.scoring import greedy_scores
 
     rng = np.random.default_rng(batch)
     vocab, eos, bad = 65001, 0, np.array([65000])
@@ -273,8 +274,10 @@ def test_scoring_a_step_on_threads_equals_one_thread(batch):
     for mask_eos in (False, True):
         for scores in (True, False):
             one, many = x.copy(), x.copy()
-            a = score_step(one, finished, bad, mask_eos, eos, 5, threads=1, scores=scores)
-            b = score_step(many, finished, bad, mask_eos, eos, 5, threads=3, scores=scores)
+            processors = [NoBadWords(bad, []), MinNewTokens(int(mask_eos), eos), NonFiniteEndsAtEos(eos)]
+            prepare(processors, 0, np.zeros((batch, 1), np.int64))
+            a = greedy_scores(one, finished, processors, 5, threads=1, scores=scores)
+            b = greedy_scores(many, finished, processors, 5, threads=3, scores=scores)
             for u, v in zip(a, b):
                 assert (u is None) == (v is None) == (u is a[2] and not scores)
                 assert u is None or u.shape == v.shape and np.array_equal(u, v, equal_nan=True)
@@ -345,7 +348,7 @@ def test_forced_scoring_keeps_no_full_output_alive():
     import weakref
 
     from backends.decoding import forced_scores
-    from backends.manifest import SpecialTokens
+    from backends.generation import SpecialTokens
 
     vocab, refs, alive = 1000, [], []
 

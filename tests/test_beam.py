@@ -723,7 +723,7 @@ def test_finished_sentences_are_dropped_and_change_no_number(embedded, name, n):
     search: its n-best list and scores) equal those of the whole batch computed to the end, which is
     what generate() does (the parity tests against it run with the drops). The embedded model: a
     trained model's sentences end at different steps."""
-    from backends.base import Backend
+    from backends.backend import Backend
     from backends.decoding import _KEEP_FRACTION
 
     backend = embedded[name]
@@ -761,9 +761,9 @@ def test_finished_sentences_are_dropped_and_change_no_number(embedded, name, n):
 
 
 def test_beam_search_rows_must_be_whole_sentences():
-    from backends.base import DecodeOptions
-    from backends.manifest import GenerationDefaults, SpecialTokens
-    from backends.strategies import BeamSearchDecoder
+    from backends.beam_search import BeamSearchDecoder
+    from backends.generation import GenerationDefaults, SpecialTokens
+    from backends.options import DecodeOptions
 
     special = SpecialTokens(pad=0, eos=1, decoder_start=0, unk=2, bad_words_ids=(0,))
     options = DecodeOptions(max_new_tokens=5, num_beams=2).resolved(5)

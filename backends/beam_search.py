@@ -1,144 +1,23 @@
-"""The two token decoders of the one decoding loop (as whisper's GreedyDecoder and BeamSearchDecoder).
+"""Beam search, the token decoder for num_beams > 1 (as whisper's BeamSearchDecoder).
 
-Each step `decode` hands a decoder the (rows, V) logits; the decoder applies the processors,
-picks the next tokens and says which rows continue which, so the engine can reorder its cache.
-Both follow transformers 5.24 `generate()` token for token: greedy applies the processors to the
-raw logits and takes the argmax (`_sample`); beam search takes log_softmax over the whole
-vocabulary, then the processors, then keeps 2 x num_beams continuations per sentence
-(`_beam_search`, `_get_top_k_continuations`, `_get_running_beams_for_next_iteration`,
-`_update_finished_beams`, `_check_early_stop_heuristic`).
+It follows transformers 5.24 `generate()` token for token: log_softmax over the whole vocabulary,
+then the processors, then keeps 2 x num_beams continuations per sentence (`_beam_search`,
+`_get_top_k_continuations`, `_get_running_beams_for_next_iteration`, `_update_finished_beams`,
+`_check_early_stop_heuristic`), and says which rows continue which, so the engine can reorder its
+cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .base import DecodeOptions, StepScore
-from .manifest import GenerationDefaults, SpecialTokens
-from .processors import Processors
-from .scoring import beam_step_scores, score_step
-
-
-@dataclass
-class RowResult:
-    token_ids: list[int]
-    scores: list[StepScore]
-    stop_reason: str
-    timings_ms: dict[str, float]
-    non_finite_steps: list[int] = field(default_factory=list)
-    repeated_run: int = 0
-    score: float | None = 0.0  # sum(log-probs) / len(token_ids) ** length_penalty; None: output_scores=False
-    hypotheses: list[tuple[list[int], float | None]] = field(default_factory=list)  # (ids, score), best first
-
-
-def _longest_run(ids: list[int]) -> int:
-    best = run = 0
-    prev = None
-    for t in ids:
-        run = run + 1 if t == prev else 1
-        best, prev = max(best, run), t
-    return best
-
-
-
-class GreedyDecoder:
-    """generate(num_beams=1): the processors act on the raw logits, then the argmax."""
-
-    width = 1
-
-    def __init__(self, batch: int, special: SpecialTokens, options: DecodeOptions, rules: GenerationDefaults, threads: int):
-        self.special, self.options, self.threads = special, options, threads
-        self.processors = Processors(special, options, rules, beams=False)
-        self.batch = batch
-        self.finished = np.zeros(batch, dtype=bool)
-        # Per step, arrays over the rows that were still running: (batch rows, tokens, log-probs,
-        # top ids, top log-probs, non-finite). Per-row objects are built once, in `finish`: built
-        # per step they cost ~4 us a row, a tenth of a batch-32 step's scoring.
-        self.records: list[tuple[np.ndarray, ...]] = []
-
-    def update(
-        self, step: int, decoder_ids: np.ndarray, logits: np.ndarray, rows: np.ndarray | None = None
-    ) -> tuple[np.ndarray, None, bool]:
-        """logits (r, V), a fresh array (a view of the engine's output) masked and consumed in
-        place, for the rows `rows` of decoder_ids (None: all b of them; the loop drops finished
-        rows from the engine) -> (decoder ids (b, t + 1), no reordering, whether every row is finished)."""
-        p, special = self.processors, self.special
-        ids = decoder_ids if rows is None else decoder_ids[rows]  # (r, t)
-        finished = self.finished if rows is None else self.finished[rows]  # (r,) a copy when rows is given
-        repeated = p.repeated(ids)
-        if repeated is not None:
-            logits[repeated] = p.penalise(logits[repeated])
-        bad_rows, top, top_logprobs = score_step(
-            logits, finished, p.bad, p.mask_eos(step), special.eos, self.options.top_k, self.threads,
-            p.banned(ids), p.forced(step), self.options.output_scores,
-        )  # (r,), (r, k), (r, k) float64 or None
-        picked = top[:, 0].copy()
-        picked[finished] = special.pad
-        index = np.arange(len(picked)) if rows is None else rows  # each computed row's row of the batch
-        live = np.flatnonzero(~finished)
-        self.records.append((
-            index[live], picked[live], bad_rows[live],
-            None if top_logprobs is None else top[live], None if top_logprobs is None else top_logprobs[live],
-        ))
-        next_ids = np.full(decoder_ids.shape[0], special.pad, dtype=decoder_ids.dtype)
-        next_ids[index] = picked
-        self.finished[index] |= picked == special.eos
-        return np.concatenate([decoder_ids, next_ids[:, None]], axis=1), None, bool(self.finished.all())
-
-    def alive_rows(self) -> np.ndarray:
-        """The rows the engine must still compute: every unfinished sentence's."""
-        return np.flatnonzero(~self.finished)
-
-    def _per_row(self) -> tuple[list[list[int]], list[list[StepScore]], list[list[int]]]:
-        """The step records regrouped by sentence: token ids, StepScores (empty without scores),
-        non-finite steps."""
-        b = self.batch
-        ids: list[list[int]] = [[] for _ in range(b)]
-        steps: list[list[StepScore]] = [[] for _ in range(b)]
-        non_finite: list[list[int]] = [[] for _ in range(b)]
-        if not self.records:
-            return ids, steps, non_finite
-        rows = np.concatenate([r[0] for r in self.records])
-        order = np.argsort(rows, kind="stable")  # by sentence, steps in order within each
-        step_of = np.concatenate([np.full(len(r[0]), i) for i, r in enumerate(self.records)])[order]
-        tokens = np.concatenate([r[1] for r in self.records])[order].tolist()
-        bad = np.concatenate([r[2] for r in self.records])[order]
-        edges = np.searchsorted(rows[order], np.arange(b + 1)).tolist()
-        if self.options.output_scores:
-            top = np.concatenate([r[3] for r in self.records])[order]
-            top_lp = np.concatenate([r[4] for r in self.records])[order]
-            records = [
-                StepScore(t, lp[0], ti, lp)
-                for t, ti, lp in zip(tokens, top.tolist(), top_lp.tolist())
-            ]
-        for row in range(b):
-            lo, hi = edges[row], edges[row + 1]
-            ids[row] = tokens[lo:hi]
-            if self.options.output_scores:
-                steps[row] = records[lo:hi]
-            non_finite[row] = step_of[lo:hi][bad[lo:hi]].tolist()
-        return ids, steps, non_finite
-
-    def finish(self, timings: dict[str, float]) -> list[RowResult]:
-        eos, penalty = self.special.eos, self.options.length_penalty
-        results = []
-        for ids, steps, non_finite in zip(*self._per_row()):
-            score = sum(s.logprob for s in steps) / len(ids) ** penalty if steps else None
-            results.append(
-                RowResult(
-                    token_ids=ids,
-                    scores=steps,
-                    stop_reason="eos" if ids and ids[-1] == eos else "max_new_tokens",
-                    timings_ms=timings,
-                    non_finite_steps=non_finite,
-                    repeated_run=_longest_run(ids),
-                    score=score,
-                    hypotheses=[(ids, score)],
-                )
-            )
-        return results
+from .generation import GenerationDefaults, SpecialTokens
+from .options import DecodeOptions
+from .processors import logits_processors, prepare
+from .results import RowResult, StepScore, longest_run
+from .scoring import beam_scores
 
 
 @dataclass
@@ -186,7 +65,8 @@ class BeamSearchDecoder:
 
     def __init__(self, batch: int, special: SpecialTokens, options: DecodeOptions, rules: GenerationDefaults, threads: int):
         self.special, self.options, self.threads = special, options, threads
-        self.processors = Processors(special, options, rules, beams=True)
+        self.processors = logits_processors(special, options, rules, beams=True)
+        self.forces_eos = rules.forced_eos_token_id is not None
         self.batch = batch
         self.width = n = options.num_beams
         self.candidates = max(2 * n, options.top_k)  # per row: enough for the 2n best of a sentence
@@ -196,46 +76,6 @@ class BeamSearchDecoder:
         self.finished: list[list[_Finished]] = [[] for _ in range(batch)]
         self.improvable = np.ones(batch, dtype=bool)  # generate()'s is_early_stop_heuristic_unsatisfied
         self.history: list[_StepRecord] = []
-
-    def _log_probs(self, step: int, decoder_ids: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> ids (rows, K), their processed log-probs (rows, K) float64, best first; non-finite rows."""
-        p, eos, k = self.processors, self.special.eos, self.candidates
-        rows = logits.shape[0]
-        repeated = p.repeated(decoder_ids)
-        banned = p.banned(decoder_ids)
-        raw = None if repeated is None else logits[repeated].astype(np.float64)  # before any mask
-        excluded = banned
-        if repeated is not None:  # scored exactly below, so left out of the top-k
-            excluded = repeated if banned is None else tuple(np.concatenate(x) for x in zip(banned, repeated))
-        non_finite, lse, masked_lse, top = beam_step_scores(
-            logits, excluded, self.threads, p.bad, p.mask_eos(step), eos, k, p.renormalize
-        )
-        values = np.take_along_axis(logits, top, axis=-1) - lse  # (rows, K) float64
-        norm = None if masked_lse is None else masked_lse - lse  # log of the mass the masks leave
-        if repeated is not None:
-            r, ids = repeated
-            penalised = p.penalise(raw - lse[r, 0])
-            penalised[p.is_masked(ids, r, step, banned)] = -np.inf
-            for row in np.unique(r):
-                mine = r == row
-                cand_ids = np.concatenate([top[row], ids[mine]])
-                cand_values = np.concatenate([values[row], penalised[mine]])
-                order = np.lexsort((cand_ids, -cand_values))[:k]
-                top[row], values[row] = cand_ids[order], cand_values[order]
-                if norm is not None:
-                    norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[mine]))
-        if norm is not None:  # renormalize_logits: log_softmax again after the processors
-            values -= norm
-        forced = p.forced(step)
-        for row in range(rows):
-            # A NaN row is scored as eos alone so its beam ends (reported as a non-finite step);
-            # a forced step has one token at log-prob 0, as generate()'s processors set it.
-            only = forced if forced is not None else eos if non_finite[row] else None
-            if only is not None:
-                others = top[row][top[row] != only][: k - 1]
-                top[row, 0], top[row, 1:] = only, others
-                values[row, 0], values[row, 1:] = 0.0, -np.inf
-        return top, values, non_finite
 
     def alive_rows(self) -> np.ndarray:
         """The rows the engine must still compute: every beam of each sentence that is not done.
@@ -276,7 +116,9 @@ class BeamSearchDecoder:
             if not np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1)):
                 raise ValueError("beam search computes whole sentences: rows must be every beam of each sentence kept")
         b = len(sentences)
-        ids, values, non_finite = self._log_probs(step, decoder_ids if rows is None else decoder_ids[rows], logits)
+        # 1. processed log-probs: ids (r, K) and their values (r, K) float64, best first
+        prepare(self.processors, step, decoder_ids if rows is None else decoder_ids[rows])
+        ids, values, non_finite = beam_scores(logits, self.processors, self.candidates, self.threads)
         # 2. the best 2n continuations of each sentence over its n beams
         keep = 2 * n
         scores = (self.running[sentences].reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
@@ -376,7 +218,7 @@ class BeamSearchDecoder:
             if not o.output_scores:  # computed anyway (beam search ranks by them), returned only when asked
                 steps, score = [], None
                 hypotheses = [(h, None) for h, _ in hypotheses]
-            capped = len(ids) == o.max_new_tokens and (ids[-1] != eos or self.processors.forced_eos is not None)
+            capped = len(ids) == o.max_new_tokens and (ids[-1] != eos or self.forces_eos)
             results.append(
                 RowResult(
                     token_ids=ids,
@@ -384,12 +226,9 @@ class BeamSearchDecoder:
                     stop_reason="max_new_tokens" if capped or ids[-1] != eos else "eos",
                     timings_ms=timings,
                     non_finite_steps=non_finite,
-                    repeated_run=_longest_run(ids),
+                    repeated_run=longest_run(ids),
                     score=score,
                     hypotheses=hypotheses,
                 )
             )
         return results
-
-
-# --- the loop -------------------------------------------------------------------------------------
