@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.spec import RuntimeSpec, expect_one_of
 
+from .backend import Backend
+
 if TYPE_CHECKING:
-    from .base import Backend
     from .manifest import Manifest
     from .ort_session import SessionConfig
     from .shared_tables import SharedTables
@@ -37,7 +38,7 @@ class BackendSpec(RuntimeSpec):
 
 
 def _torch_backend(spec, manifest, tokenizer, session, tables):
-    from . import Backend, pytorch
+    from . import pytorch
 
     source = pytorch.source_model_of(manifest)
     model = pytorch.TorchStepModel(source, threads=session.threads, architecture=manifest.architecture)
@@ -46,8 +47,6 @@ def _torch_backend(spec, manifest, tokenizer, session, tables):
 
 
 def _ort_backend(spec, manifest, tokenizer, session, tables):
-    from . import Backend
-
     model = spec.engine(spec, manifest, session, tables)
     return Backend(spec.name, model, tokenizer, manifest, model.info)
 

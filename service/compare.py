@@ -44,7 +44,7 @@ forcing runs on that one segment only: it replays a whole decode per backend, an
 drift is what the divergence view explains.
 
 A result that cannot be trusted is an error, not a translation: logits with NaN or Inf (the
-loop ends that row, see `backends/strategies.py`) set `error` to "non-finite logits (NaN/Inf) at
+loop ends that row: `backends/processors.NonFiniteEndsAtEos`) set `error` to "non-finite logits (NaN/Inf) at
 step k" and `text` to null. A run of one repeated token and a decode that hit the length cap
 before eos are listed in `warnings`, in words (`messages.py`).
 """
