@@ -27,9 +27,10 @@ FORMAT = "marian-onnx-export"
 # 3: "generation": the model's own generation config, the decoding defaults (beam search, penalties)
 # 4: attention cores as ONNX Runtime's MultiHeadAttention (export/rewrite.fuse_attention)
 # 5: the decoder's cache appended inside MultiHeadAttention, q/k/v projections packed (export/rewrite.py)
-FORMAT_VERSION = 5
-FORMAT_CHANGE = ("the decoder's cache appended inside ONNX Runtime's MultiHeadAttention and q/k/v packed into one "
-                 "MatMul, same numbers, fewer nodes per step")
+# 6: int8 weights in a 7-bit range (export/quantize.py), exact on CPUs without VNNI too
+FORMAT_VERSION = 6
+FORMAT_CHANGE = ("int8 weights quantized in a 7-bit range, so ONNX Runtime's int8 products cannot overflow on "
+                 "CPUs without VNNI")
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 # The files a Marian tokenizer needs; the export checks it wrote them (every export lists its own
 # in the sidecar's "tokenizer" section).

@@ -98,6 +98,22 @@ def test_int8_graphs_hold_quantized_matmuls(tiny_export_dir):
     assert manifest.data["files"]["decoder_int8.onnx"]["bytes"] < fp32_bytes
 
 
+def test_int8_weights_fit_the_u8s8_kernels_of_every_x86_cpu(tiny_export_dir):
+    """Without VNNI, ONNX Runtime multiplies u8 activations by s8 weights with an instruction that
+    adds each pair of products in int16: |w| <= 64 keeps 2 * 255 * 64 within it on any CPU."""
+    manifest = load_manifest(tiny_export_dir)
+    assert "7-bit" in manifest.data["int8"]["weight_type"]
+    for name in ("encoder_int8", "decoder_int8"):
+        graph = onnx.load(str(manifest.graph_path(name))).graph
+        inits = {i.name: i for i in graph.initializer}
+        weights = [inits[n.input[1]] for n in graph.node
+                   if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") and n.input[1] in inits]
+        assert weights, name
+        for w in weights:
+            values = onnx.numpy_helper.to_array(w).astype(np.int32)
+            assert values.min() >= -64 and values.max() <= 64, (name, w.name, int(values.min()), int(values.max()))
+
+
 def _float_tables_read_by(graph: onnx.GraphProto, op_type: str) -> list[str]:
     inits = {i.name: i for i in graph.initializer}
     return [n.input[i] for n in graph.node if n.op_type == op_type for i in range(len(n.input))
