@@ -28,10 +28,9 @@ from ui import compare_render
 from backends import BACKEND_NAMES, Backend, ManifestError, SessionConfig, try_load_backends
 from service import compare
 from backends.manifest import MANIFEST_NAME, load_manifest, sha256_file
-from conftest import REPO
+from conftest import REPO, free_port, wait_for
 from export.__main__ import main as export_main
 from export.ensure import ensure_export, leftover_partials, reusable
-from test_app import free_port, wait_for
 
 SENTENCE = "Click outside the spreadsheet to view the slide."
 MAX_NEW = 4
