@@ -281,10 +281,11 @@ def app_url(app_args, artifacts_dir):
 # --- tiers ----------------------------------------------------------------------------------------------
 
 # A test that uses one of these fixtures is in that tier. `slow`: an export other than the tiny one,
-# an app process, a full benchmark run (tens of seconds or more each).
+# an app process, a full benchmark or corpus run (tens of seconds or more each); tests as costly on
+# their own carry @pytest.mark.slow.
 TIER_FIXTURES = {
     "slow": {"app_url", "launched", "embedded_export_dir", "peaked_export_dir", "family_folders",
-             "external_export_dir", "optimum_dir", "family", "peer_cache", "ray_local", "speed_run", "beam_run"},
+             "external_export_dir", "optimum_dir", "family", "peer_cache", "ray_local", "local_run", "speed_run", "beam_run"},
     "browser": {"page"},
     "peers": {"optimum_dir", "family", "peer_cache"},
     "ray": {"ray_local"},

@@ -671,6 +671,7 @@ def test_export_verification_checks_the_models_own_decoding(peaked_export_dir, t
     assert failures and failures[0].startswith("ort_fp32_kv_cache: beam 4 ids identical on 2/3")
 
 
+@pytest.mark.slow
 def test_the_opus_sized_fixture_decodes_as_the_published_model(tmp_path, monkeypatch):
     """transformers 5 no longer derives num_beams from config.json: the fixture writes the published
     model's decoding (4 beams, bad word 65000, max_length 512) into its generation config."""
