@@ -128,6 +128,7 @@ def test_backend_that_failed_to_load_is_shown_while_others_work(tiny_backends):
         assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == 6
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_model_it_cannot_use(tmp_path):
     missing = tmp_path / "no-such-model"
     proc = subprocess.run(
