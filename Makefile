@@ -1,18 +1,24 @@
 # `make run`: the app on the embedded model. `make test`: the whole test suite, with the peer
 # environment (.venv-bench) first, so the tests that make Optimum / CTranslate2 conversions run
 # rather than skip (CI is a fresh machine; the app itself never needs .venv-bench).
+# `make test-fast`: the unit tier for the edit loop (no slow, browser, peers or ray test; the tiny
+# export is built once and kept in test-artifacts/cache/ until the code it comes from changes).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: setup run test export-fixture bench-venv bench bench-opus clean
+.PHONY: setup run test test-fast export-fixture bench-venv bench bench-opus clean
+
+# No byte-compiling at install: a test run imports about a fifth of the files pip would compile,
+# and Python compiles those on first import. `make -j2 setup bench-venv` makes both environments at once.
+PIP_FLAGS := --no-compile
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt
 	touch $@
 
 run: setup
@@ -20,6 +26,10 @@ run: setup
 
 test: setup bench-venv
 	$(PY) -m pytest
+
+FAST := not slow and not browser and not peers and not ray
+test-fast: setup
+	$(PY) -m pytest -q -m "$(FAST)"
 
 # The opus-mt-sized random fixture and its export, for benchmarks at real scale.
 export-fixture: setup
@@ -31,7 +41,7 @@ BENCH_VENV := .venv-bench
 bench-venv: $(BENCH_VENV)/.installed
 $(BENCH_VENV)/.installed: requirements-bench.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r requirements-bench.txt
+	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements-bench.txt
 	touch $@
 
 # The README's tables: the embedded model, then the opus-mt-sized random fixture with peers.

@@ -1,86 +1,27 @@
 """app.py end to end: `python app.py` in a subprocess, driven through gradio_client's `compare`.
 
-The app runs on `app_model`: the embedded model when assets/marian-en-zh-small exists (exported
-to exports/ on the first start, reused after), else the tiny test export.
+The app runs on `app_model`: the embedded model when assets/marian-en-zh-small exists (its export
+made once per session by conftest's `embedded_export_dir`, which the app reuses through
+--export-dir), else the tiny test export. One app process (conftest's `app_url`) serves this module
+and tests/test_browser.py.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from gradio_client import Client
 
 from backends import APPROXIMATE, BACKEND_NAMES
-from conftest import EMBEDDED_MODEL, REPO
+from conftest import EMBEDDED_MODEL, QUEUE_SIZE, REPO, free_port
 
 BACKENDS = list(BACKEND_NAMES)
 FP32 = [n for n in BACKENDS if n != "pytorch" and n not in APPROXIMATE]
 SENTENCE = "Click outside the spreadsheet to view the slide."
-TINY_MAX_NEW_TOKENS = 24  # the tiny random model rarely stops by itself; a trained one does
-QUEUE_SIZE = 2  # small on purpose, so the busy test can fill it
-START_TIMEOUT_S = 900  # a first start exports the embedded model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"app exited with {proc.returncode} before serving; log:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"app did not serve {url} within {timeout} s; log:\n{log.read_text()[-3000:]}")
-
-
-@pytest.fixture(scope="session")
-def app_model(request) -> Path:
-    """What the app under test serves: the embedded model if present, else the tiny export."""
-    if (EMBEDDED_MODEL / "config.json").is_file():
-        return EMBEDDED_MODEL
-    return request.getfixturevalue("tiny_export_dir")
-
-
-@pytest.fixture(scope="module")
-def app_url(app_model, artifacts_dir, request):
-    """`python app.py --model ...` on a free port, as a user starts it; stopped after the module."""
-    port = free_port()
-    log = artifacts_dir / f"app-{request.module.__name__}.log"
-    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1")
-    env["GRADIO_ANALYTICS_ENABLED"] = "False"
-    cmd = [sys.executable, "app.py", "--model", str(app_model), "--queue-size", str(QUEUE_SIZE), "--threads", "2"]
-    if app_model != EMBEDDED_MODEL:
-        cmd += ["--max-new-tokens", str(TINY_MAX_NEW_TOKENS)]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        wait_for(url, proc, log, START_TIMEOUT_S)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def client(app_url):
     return Client(app_url, verbose=False)
@@ -187,6 +128,7 @@ def test_backend_that_failed_to_load_is_shown_while_others_work(tiny_backends):
         assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == 6
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_model_it_cannot_use(tmp_path):
     missing = tmp_path / "no-such-model"
     proc = subprocess.run(

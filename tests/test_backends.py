@@ -42,6 +42,7 @@ def test_fp32_logits_match_pytorch_teacher_forced(tiny_backends, name):
 
 
 @pytest.mark.parametrize("name", FP32)
+@pytest.mark.slow
 def test_fp32_greedy_ids_and_text_identical_on_100_dev_sentences(tiny_backends, name):
     sentences = dev_sentences(100)
     mismatches = []
@@ -341,6 +342,7 @@ def test_backends_loaded_together_hold_one_copy_of_each_table(tiny_export_dir):
     assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_forced_scoring_keeps_no_full_output_alive():
     """The single-step graph returns logits for every position; forced scoring keeps one row per step.
     Holding views instead kept every (1, t, V) output alive: 8 GB for 511 steps of a 15k vocabulary."""

@@ -10,7 +10,7 @@ Two models:
   float32 tie-breaking. Its outputs hardly depend on the input (random weights), but eos is a
   candidate at every step, so hypotheses finish all along and the finished lists, the stop rules
   and length penalties decide between ending at once and running to the cap.
-- the embedded model (assets/marian-en-zh-small), exported here once, on dev sentences.
+- the embedded model (assets/marian-en-zh-small), exported once per session (conftest), on dev sentences.
 
 generate() gets `bad_words_ids=[[pad]]` where the model's generation config lacks it: the sidecar
 masks pad at every step (`special_tokens.bad_words_ids`), so that is the same option. Greedy search
@@ -32,7 +32,7 @@ import pytest
 
 from backends import BACKEND_NAMES, SessionConfig, load_backends, load_manifest
 from backends.manifest import FORMAT_VERSION, GENERATE_DEFAULTS, MANIFEST_NAME, UnsupportedGeneration, generation_section
-from conftest import EMBEDDED_MODEL, REPO, dev_sentences
+from conftest import REPO, cached, dev_sentences
 
 FP32 = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
 APPROX = ("ort_fp16", "ort_int8")
@@ -50,12 +50,10 @@ TEXTS = [
 # --- fixtures ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+def _make_peaked(tiny_model_dir: Path, out: Path) -> None:
     import torch
     from transformers import MarianMTModel
 
-    out = tmp_path_factory.mktemp("models") / "peaked"
     model = MarianMTModel.from_pretrained(tiny_model_dir).eval()
     generator = torch.Generator().manual_seed(0)
     bias = torch.randn(model.final_logits_bias.shape, generator=generator) * 3  # (1, V)
@@ -68,7 +66,6 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     model.save_pretrained(out)
     for name in ("source.spm", "target.spm", "vocab.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, out / name)
-    return out
 
 
 def _export(src: Path, out: Path) -> Path:
@@ -79,20 +76,29 @@ def _export(src: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def peaked_export_dir(peaked_model_dir, tmp_path_factory) -> Path:
-    return _export(peaked_model_dir, tmp_path_factory.mktemp("exports") / "peaked")
+def peaked_folder(tiny_model_dir) -> Path:
+    """The peaked model (models/peaked) and its export (exports/peaked), built once (conftest's cache)."""
+
+    def make(folder: Path) -> None:
+        _make_peaked(tiny_model_dir, folder / "models" / "peaked")
+        _export(folder / "models" / "peaked", folder / "exports" / "peaked")
+
+    return cached("marian-peaked", make, tiny_model_dir, _make_peaked, _export, PEAKED_GENERATION)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(peaked_folder) -> Path:
+    return peaked_folder / "models" / "peaked"
+
+
+@pytest.fixture(scope="module")
+def peaked_export_dir(peaked_folder) -> Path:
+    return peaked_folder / "exports" / "peaked"
 
 
 @pytest.fixture(scope="module")
 def peaked(peaked_export_dir):
     return load_backends(peaked_export_dir, session=SessionConfig(threads=2))
-
-
-@pytest.fixture(scope="module")
-def embedded_export_dir(tmp_path_factory) -> Path:
-    if not (EMBEDDED_MODEL / "config.json").is_file():
-        pytest.skip("assets/marian-en-zh-small is not in this checkout")
-    return _export(EMBEDDED_MODEL, tmp_path_factory.mktemp("exports") / "embedded")
 
 
 @pytest.fixture(scope="module")
@@ -665,6 +671,7 @@ def test_export_verification_checks_the_models_own_decoding(peaked_export_dir, t
     assert failures and failures[0].startswith("ort_fp32_kv_cache: beam 4 ids identical on 2/3")
 
 
+@pytest.mark.slow
 def test_the_opus_sized_fixture_decodes_as_the_published_model(tmp_path, monkeypatch):
     """transformers 5 no longer derives num_beams from config.json: the fixture writes the published
     model's decoding (4 beams, bad word 65000, max_length 512) into its generation config."""

@@ -343,6 +343,7 @@ def test_load_latest_finds_the_report(speed_run):
     assert load_latest(out / "nothing-here") is None
 
 
+@pytest.mark.slow
 def test_quality_command(tiny_export_dir, tmp_path):
     from bench.__main__ import main
 
@@ -437,6 +438,7 @@ def test_spot_check_for_the_app(tiny_backends):
         spot_check(tiny_backends, ["One.", "  "])
 
 
+@pytest.mark.slow
 def test_rounds_run_round_robin_and_report_medians(tiny_export_dir, tmp_path):
     """--rounds: every runtime again after all the others, medians reported, each round on record."""
     from bench.speed import run
@@ -593,6 +595,7 @@ def test_a_paired_spec_times_only_what_its_target_compares():
     assert beam.warmup == spec.warmup and beam.sweep_idx == []
 
 
+@pytest.mark.slow
 def test_paired_rounds_time_each_pair_back_to_back_first_alternating(tiny_export_dir, tmp_path):
     """Beam 2, our KV cache against generate() (the transformers peer, in this environment): the
     paired check's pairs are real processes whose figures are the ratio's two sides."""

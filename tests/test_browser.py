@@ -14,7 +14,7 @@ from playwright.sync_api import sync_playwright
 
 from app import LABELS
 from service.segment import join_translations
-from test_app import BACKENDS, SENTENCE, app_model, app_url  # noqa: F401  (fixtures)
+from test_app import BACKENDS, SENTENCE
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIMEOUT_MS = 180_000
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def page(app_url):  # noqa: F811
+def page(app_url):
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]

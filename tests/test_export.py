@@ -216,6 +216,7 @@ def _padded_source(config, rng, b: int = 3, s: int = 7):
     return np.where(mask == 1, rng.integers(4, config.vocab_size - 1, (b, s)), config.pad_token_id), mask
 
 
+@pytest.mark.slow
 def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_model_dir, tmp_path):
     """The encoder and decoder as the exporter writes them, then fused: every output bit-identical,
     with padded source rows and a non-empty past."""
@@ -254,6 +255,7 @@ def test_fused_attention_computes_the_very_numbers_of_the_exported_core(tiny_mod
 
 
 
+@pytest.mark.slow
 def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_dir, tmp_path):
     """After fuse_attention: the decoder's cache appended by MultiHeadAttention itself and every
     attention's q/k/v as one MatMul + Split. Non-zero biases (the tiny model's are zero), padded
@@ -427,6 +429,7 @@ def test_parity_report_runs_every_backend_in_batches_with_the_decode_options():
         parity_report(backends, ["a"], "pytorch")
 
 
+@pytest.mark.slow
 def test_export_verification_and_bench_parity_report_the_same_comparison(tiny_export_dir):
     from bench import parity
     from conftest import dev_sentences
@@ -470,6 +473,7 @@ def test_fixture_tokenizer_comes_from_the_training_writer(tiny_model_dir):
         build_vocab(tiny_model_dir / "source.spm", tiny_model_dir / "target.spm", 1000)
 
 
+@pytest.mark.slow
 def test_verification_holds_one_engine_at_a_time(tiny_model_dir, tiny_export_dir, monkeypatch):
     """At NLLB-600M's size, PyTorch and four ORT engines at once were ~10 GB of weights: every engine
     (the logits' step models and each backend's) is built only once the one before it is gone, and

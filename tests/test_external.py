@@ -349,6 +349,7 @@ def test_bench_quality_runs_an_external_export_beside_the_built_in_ones(tiny_exp
     assert "holds shards of another run (external differ)" in capsys.readouterr().err
 
 
+@pytest.mark.ray
 def test_the_ray_engine_ships_an_external_export_to_the_node(tiny_export_dir, optimum_dir, tmp_path):
     """--model-transfer ship: its files go through the object store under external/NAME/, are checked on
     the node and loaded from there; the per-sentence results equal the local engine's."""

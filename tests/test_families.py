@@ -13,6 +13,7 @@ adds W β to every step's logits).
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 
 from backends import SessionConfig, load_backends, load_manifest, memory_needs
 from backends.manifest import ManifestError
-from conftest import REPO, TRAIN_TSV, dev_sentences
+from conftest import REPO, TRAIN_TSV, cached, dev_sentences
 
 FP32 = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
 MAX_NEW = 40
@@ -63,26 +64,36 @@ def _peak(model) -> None:
         norm.weight.mul_(10.0)  # keep the input's share of the logits visible next to the offsets
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def family_model_dir(request, tmp_path_factory) -> Path:
+def _make_family(name: str, folder: Path) -> None:
+    """The peaked fixture (models/NAME) and its verified export (exports/NAME)."""
     import transformers
 
     from export.fixtures import FIXTURES, build
+    from export.pipeline import ExportOptions, export
 
-    name = request.param
-    folder = build(name, tmp_path_factory.mktemp("models") / name, corpus=TRAIN_TSV)
-    model = getattr(transformers, FIXTURES[name].architecture).from_pretrained(folder).eval()
+    model_dir = build(name, folder / "models" / name, corpus=TRAIN_TSV)
+    model = getattr(transformers, FIXTURES[name].architecture).from_pretrained(model_dir).eval()
     _peak(model)
-    model.save_pretrained(folder)
-    return folder
+    model.save_pretrained(model_dir)
+    export(str(model_dir), ExportOptions(out=folder / "exports" / name, threads=1), log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family_folders(request) -> tuple[Path, Path]:
+    """(model, export) of one family, built once (conftest's cache)."""
+    name = request.param
+    folder = cached(f"family-{name}", functools.partial(_make_family, name), _peak)
+    return folder / "models" / name, folder / "exports" / name
 
 
 @pytest.fixture(scope="module")
-def family_export_dir(family_model_dir, tmp_path_factory) -> Path:
-    from export.pipeline import ExportOptions, export
+def family_model_dir(family_folders) -> Path:
+    return family_folders[0]
 
-    out = tmp_path_factory.mktemp("exports") / family_model_dir.name
-    return export(str(family_model_dir), ExportOptions(out=out, threads=1), log=lambda *a, **k: None)
+
+@pytest.fixture(scope="module")
+def family_export_dir(family_folders) -> Path:
+    return family_folders[1]
 
 
 @pytest.fixture(scope="module")
@@ -298,15 +309,20 @@ def test_unsupported_architectures_list_every_supported_family(tmp_path):
 # --- external data ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def external_export_dir(tmp_path_factory) -> Path:
-    """nllb-tiny exported with every graph's weights in external data files, as a model over 2 GB is."""
+def _make_external(folder: Path) -> None:
     from export.fixtures import build
     from export.pipeline import ExportOptions, export
 
-    folder = build("nllb-tiny", tmp_path_factory.mktemp("models") / "nllb-ext", corpus=TRAIN_TSV)
-    out = tmp_path_factory.mktemp("exports") / "nllb-ext"
-    return export(str(folder), ExportOptions(out=out, threads=1, external_data=True), log=lambda *a, **k: None)
+    model = build("nllb-tiny", folder / "models" / "nllb-ext", corpus=TRAIN_TSV)
+    out = folder / "exports" / "nllb-ext"
+    export(str(model), ExportOptions(out=out, threads=1, external_data=True), log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def external_export_dir() -> Path:
+    """nllb-tiny exported with every graph's weights in external data files, as a model over 2 GB is
+    (built once: conftest's cache)."""
+    return cached("nllb-external", _make_external) / "exports" / "nllb-ext"
 
 
 def test_external_data_is_written_checksummed_and_loaded(external_export_dir):

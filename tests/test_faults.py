@@ -28,10 +28,9 @@ from ui import compare_render
 from backends import BACKEND_NAMES, Backend, ManifestError, SessionConfig, try_load_backends
 from service import compare
 from backends.manifest import MANIFEST_NAME, load_manifest, sha256_file
-from conftest import REPO
+from conftest import REPO, free_port, wait_for
 from export.__main__ import main as export_main
 from export.ensure import ensure_export, leftover_partials, reusable
-from test_app import free_port, wait_for
 
 SENTENCE = "Click outside the spreadsheet to view the slide."
 MAX_NEW = 4
@@ -88,6 +87,7 @@ def test_a_backend_that_cannot_load_is_reported_in_its_place(tiny_export_dir, tm
         assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == MAX_NEW
 
 
+@pytest.mark.slow
 def test_app_starts_with_the_backends_it_can_load_and_names_the_others(tiny_export_dir, tmp_path, artifacts_dir):
     """`python app.py --model EXPORT` on an export with three broken graphs serves the other two."""
     folder = copy_export(tiny_export_dir, tmp_path / "export")
@@ -176,6 +176,7 @@ def test_a_session_error_while_translating_is_shown_in_its_place(tiny_backends):
 # --- interrupted and tampered exports ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_killed_export_leaves_nothing_a_later_start_trusts(tiny_model_dir, tiny_export_dir, tmp_path):
     """SIGKILL mid-export, as soon as its temporary folder exists (no clean-up can run): that
     folder is never read, and a start that finds it says so and keeps to the finished export."""

@@ -15,9 +15,6 @@ import psutil
 import pytest
 
 from bench.load import LoadOptions, drive, memory_change, run, summary
-from conftest import EMBEDDED_MODEL
-
-TINY_MAX_NEW_TOKENS = 24  # the tiny random model rarely stops by itself
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,15 +150,11 @@ def test_an_answer_without_backends_is_an_error(stub):
 
 
 @pytest.fixture(scope="module")
-def launched(request, tmp_path_factory):
-    """4 users x 24 requests against `python app.py --queue-size 1`: one running, one waiting."""
-    if (EMBEDDED_MODEL / "config.json").is_file():
-        app_args = ["--model", str(EMBEDDED_MODEL)]
-    else:
-        app_args = ["--model", str(request.getfixturevalue("tiny_export_dir")), "--max-new-tokens",
-                    str(TINY_MAX_NEW_TOKENS)]
-    app_args += ["--queue-size", "1", "--threads", "2"]
-    options = LoadOptions(launch_args=tuple(app_args), users=4, requests=24, warmup=1, rss_every=8,
+def launched(app_args, tmp_path_factory):
+    """4 users x 24 requests against `python app.py --queue-size 1`: one running, one waiting. Its
+    own app process (this test stops it), on the model the app tests serve (conftest's app_args)."""
+    launch_args = [*app_args, "--queue-size", "1", "--threads", "2"]
+    options = LoadOptions(launch_args=tuple(launch_args), users=4, requests=24, warmup=1, rss_every=8,
                           busy_backoff_s=0.2, timeout_s=120, deadline_s=300)
     out = tmp_path_factory.mktemp("load")
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"

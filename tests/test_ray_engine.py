@@ -242,6 +242,7 @@ def test_without_ray_the_ray_engine_says_what_to_install(tiny_export_dir, tmp_pa
     assert "pip install 'ray[data]==2.60.0'" in out.stderr
 
 
+@pytest.mark.ray
 def test_a_two_node_cluster_gets_the_export_shipped(local_run, tiny_export_dir, tmp_path):
     """Last: it replaces the module's local runtime with a simulated cluster of two 1-CPU nodes."""
     ray = pytest.importorskip("ray")
