@@ -38,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from .protocol import Output, Spec, measure, peak_rss_mb, reset_peak_rss, rss_mb
+from runtime.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from runtime.protocol import Output, Spec, measure
 
 PEER_NAMES = ("transformers", "optimum_fp32", "optimum_int8", "ct2_float32", "ct2_int8")
 IN_PROJECT_ENV = ("transformers",)  # these run in the project's environment, the rest in .venv-bench

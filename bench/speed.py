@@ -21,7 +21,7 @@ import numpy as np
 from backends import REFERENCE
 from corpus import Pair
 from service.environment import environment
-from service.protocol import Spec
+from runtime.protocol import Spec
 from service.reports import failure_line, write
 from service.speedrun import (FLOOR_TARGETS, SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec,
                                model_info, paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs,

@@ -27,7 +27,7 @@ from backends.manifest import (
     sha256_file,
 )
 
-from service.protocol import reset_peak_rss
+from runtime.memory import reset_peak_rss
 
 from . import fp16, graphs, quantize, rewrite, verify
 from .onnx_io import external_files

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from corpus import Pair
+from runtime.protocol import Spec
 
 from . import metrics
-from .protocol import Spec
 
 SWEEP_LENGTHS = (8, 16, 32, 64, 128)
 
