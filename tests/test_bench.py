@@ -388,7 +388,7 @@ def test_measuring_workers_load_the_protocol_without_the_request_layer():
     """The worker and peer processes import the protocol from runtime/, below the request layer: no
     service/__init__, so no backends or ONNX Runtime in a peer's memory or before our workers' timed
     imports (and none in .venv-bench)."""
-    code = ("import sys, bench.worker, bench.peers, runtime.protocol as p; "
+    code = ("import sys, bench.worker, bench.peers.worker, runtime.protocol as p; "
             "print(p.measure.__module__, sorted({m.split('.')[0] for m in sys.modules} & "
             "{'service', 'backends', 'onnxruntime', 'torch', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
