@@ -19,6 +19,8 @@ another token than transformers' `generate()`:
   starts every mBART from `decoder_start_token_id` (eos), then forces the language code. The
   decoder start is taken from the model's config, as the loader of its parent (BART) does.
 - M2M100/NLLB: the stock loader, whose decoder start already is `decoder_start_token_id`.
+- mBART and M2M100/NLLB: where config.json lacks `normalize_before` / `normalize_embedding` (transformers
+  5 no longer writes them), the family registry's layer-norm layout fills them in.
 
 The tokenizer is the family's, read as `PeerModel.tokenizer` reads it (a tokenizer saved by
 transformers 5 loads in this environment's transformers 4). `bench-conversion.json` in the output
@@ -77,13 +79,24 @@ def _learned_start_marian(stock, note: dict):
     return LearnedStartMarianLoader()
 
 
-def _configured_start(stock, note: dict):
-    """The family's stock loader, its decoder starting from the config's `decoder_start_token_id`."""
+def _configured_start(stock, family, note: dict):
+    """The family's stock loader, its decoder starting from the config's `decoder_start_token_id`, its
+    layer norms placed as the family registry says (`family.pre_norm`, `family.embedding_norm`): the
+    loaders read them from config.json keys that transformers 5 no longer writes."""
 
     class ConfiguredStartLoader(type(stock)):
+        def get_model_spec(self, model):
+            if not hasattr(model.config, "normalize_before"):
+                model.config.normalize_before = family.pre_norm
+            if not hasattr(model.config, "normalize_embedding"):
+                model.config.normalize_embedding = family.embedding_norm
+            return super().get_model_spec(model)
+
         def set_config(self, config, model, tokenizer):
             super().set_config(config, model, tokenizer)
             config.decoder_start_token = tokenizer.convert_ids_to_tokens(model.config.decoder_start_token_id)
+            if config.bos_token is None:  # a tokenizer saved without one: CTranslate2 refuses a null token
+                config.bos_token = tokenizer.convert_ids_to_tokens(model.config.bos_token_id)
             note["decoder_start"] = f"decoder_start_token_id {model.config.decoder_start_token_id} " \
                                     f"({config.decoder_start_token}), as transformers"
 
@@ -107,7 +120,7 @@ def main(argv=None) -> int:
         patched = _learned_start_marian(stock, note)
     else:
         note["loader"] = f"ctranslate2 {type(stock).__name__}, decoder start from the config (bench.peers ct2-convert)"
-        patched = _configured_start(stock, note)
+        patched = _configured_start(stock, model.family(), note)
 
     class FamilyTokenizerConverter(TransformersConverter):
         def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
