@@ -185,8 +185,8 @@ def run(
             out_json = out_dir / "logs" / f"{tag}.json"
             beside = None
             if floor_beside_rounds and name in floor_of:
-                # This host's read bandwidth swings by up to 1.5x within an hour: a floor taken at the
-                # end of the run can be minutes and a different machine state away from the round.
+                # Read bandwidth drifts on a shared host: a floor taken at the end of the run can be
+                # minutes and a different machine state away from the round it judges.
                 graph = floor_of[name]
                 measured = floor_mod.floors(export_dir, manifest, options.threads, graphs=(graph,))
                 beside = {"gb_per_s": measured["bandwidth"]["gb_per_s"], **measured["graphs"][graph]}
@@ -290,7 +290,7 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
     big = str(options.batch_sizes[-1])
     trials, errors = [], []
     for k in range(options.ct2_probe_rounds):
-        if k and trials:  # a setting far behind after a pass is not timed again: MKL's int8 on an AMD EPYC took 50x oneDNN's
+        if k and trials:  # a setting far behind after a pass is not timed again: one pass of it can take minutes
             rows = choose_setting(trials)["settings"]
             best = min(r["score"] for r in rows)
             near = [r["setting"] for r in rows if r["score"] <= PROBE_AGAIN * best]  # a failed setting is in no row
