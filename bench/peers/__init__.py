@@ -1,6 +1,7 @@
 """The runtimes a user would pick instead of ours, timed by the same protocol in the same run.
 
-The registry (`specs.PEERS`) names them; each is a `runtime.RuntimeSpec` as our backends are:
+The registry (`runtime/peers.py`, below every layer, so reports and screens can label them too)
+names them; each is a `runtime.RuntimeSpec` as our backends are:
 
 - `transformers`: the family's transformers class `generate()` (PyTorch eager), in the project's
   own environment.
@@ -34,6 +35,7 @@ scores hypotheses its own way, so at N > 1 its outputs are compared as agreement
 identical.
 """
 
+from .convert import prepare
 from .ct2 import CT2_GEMMS, ct2_kwargs, ct2_setting_args, ct2_settings
 from .hf import early_stopping_arg, generate_kwargs
 from .model import PeerModel
@@ -41,4 +43,4 @@ from .specs import DEFAULT_PEER_PYTHON, IN_PROJECT_ENV, PEER_CACHE, PEER_NAMES, 
 
 __all__ = ["CT2_GEMMS", "DEFAULT_PEER_PYTHON", "IN_PROJECT_ENV", "PEERS", "PEER_CACHE", "PEER_NAMES", "PeerModel",
            "PeerSpec", "ct2_kwargs", "ct2_setting_args", "ct2_settings", "early_stopping_arg", "generate_kwargs",
-           "is_ct2", "peer"]
+           "is_ct2", "peer", "prepare"]
