@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import peers as peers_mod
 from .data import DEFAULT_TSV, RESULTS, resolve_model, sentences_arg
+from .decoding import SWEEP_IS_GREEDY, resolve_decoding
 
 
 def _csv(value: str) -> list[str]:
@@ -69,7 +70,7 @@ def speed(args) -> int:
 
     def check(beams: int) -> None:  # before any work: the export, when --model needs one, takes minutes
         if beams > 1 and args.sweep:
-            raise ValueError(f"--sweep {','.join(map(str, args.sweep))}: {speed_mod.SWEEP_IS_GREEDY.format(n=beams)}; "
+            raise ValueError(f"--sweep {','.join(map(str, args.sweep))}: {SWEEP_IS_GREEDY.format(n=beams)}; "
                              "drop --sweep (with beam search it is skipped) or --num-beams")
         if beams == 1 and (args.length_penalty is not None or args.early_stopping is not None):
             raise ValueError("--length-penalty and --early-stopping apply to beam search only: add --num-beams N (N > 1)"
@@ -83,7 +84,7 @@ def speed(args) -> int:
     export_dir = resolve_model(args.model, threads=args.threads)
     from backends import load_manifest
 
-    decoding = speed_mod.resolve_decoding(load_manifest(export_dir), args.num_beams, args.length_penalty,
+    decoding = resolve_decoding(load_manifest(export_dir), args.num_beams, args.length_penalty,
                                           args.early_stopping)
     check(decoding["num_beams"])
     fields = dict(threads=args.threads, forced_tokens=args.forced_tokens, max_new_tokens=args.max_new_tokens,

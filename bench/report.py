@@ -11,6 +11,8 @@ from pathlib import Path
 from service.fmt import num, ratio, signed
 from service.reports import env_lines, provenance, save
 
+from .peers import is_ct2
+
 
 def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
@@ -99,7 +101,7 @@ def readme_table(results: dict) -> str:
     # Runs from before --num-beams recorded no decoding: every runtime ran greedy search then.
     d = results.get("decoding") or {"search": "greedy", "num_beams": 1}
     beam = d["search"] == "beam"
-    ct2 = "; CTranslate2 scores its own way: agreement, not identity" if any(n.startswith("ct2") for n in rt) else ""
+    ct2 = "; CTranslate2 scores its own way: agreement, not identity" if any(is_ct2(n) for n in rt) else ""
     search = (f"beam search with {d['num_beams']} beams (length_penalty {d['length_penalty']}, early_stopping "
               f"{d['early_stopping']}{ct2})" if beam else "greedy search")
     head = [f"runtime, beam {d['num_beams']}" if beam else "runtime", "batch-1 p50 ms", "ms/token", "vs PyTorch",

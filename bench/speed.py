@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from backends import REFERENCE
 from corpus import Pair
+from runtime.protocol import Spec
 from service.environment import environment
-from service.protocol import Spec
 from service.reports import failure_line, write
 from service.speedrun import (FLOOR_TARGETS, SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec,
                                model_info, paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs,
                                target_pairs)
 
-from . import floor as floor_mod, peers as peers_mod
+from . import floor as floor_mod
 from .data import REPO, default_backends
+from .decoding import SWEEP_IS_GREEDY, decode_args, resolve_decoding
+from .peers import DEFAULT_PEER_PYTHON, IN_PROJECT_ENV, PEER_CACHE, PEER_NAMES, ct2_setting_args, ct2_settings, is_ct2
+from .peers.jobs import peer_jobs
+from .rounds import log_result, merge_rounds
 
 # `--quick`: small, stated samples so the opus-sized run with peers fits in about 15 minutes.
 QUICK = dict(latency_sentences=40, throughput_sentences=64, sweep_sentences=3)
@@ -53,76 +54,12 @@ PROBE_RULE = (
     "lowest best batch-1 p50 divided by its best throughput was used in every round and pair"
 )
 
-SWEEP_IS_GREEDY = (
-    "the output-length sweep measures the per-step cost of greedy search at batch 1; it is not run with "
-    "num_beams {n} (run `python -m bench speed --sweep ...` without --num-beams for it)"
-)
-
-
-def resolve_decoding(manifest, num_beams: int | str = 1, length_penalty: float | None = None,
-                     early_stopping: bool | str | None = None) -> dict:
-    """The search every runtime runs, as results.json records it under "decoding".
-
-    num_beams: 1 (greedy), 2..MAX_BEAMS (beam search), or "model": the export's generation config.
-    length_penalty / early_stopping: beam search only; None leaves the export's generation config
-    to decide (our backends and transformers/Optimum read the same config), and the effective
-    value is recorded. Raises ValueError naming the valid range.
-    """
-    from backends import MAX_BEAMS
-
-    g = manifest.generation
-    from_model = num_beams == "model"
-    beams = g.num_beams if from_model else num_beams
-    if isinstance(beams, bool) or not isinstance(beams, int) or not 1 <= beams <= MAX_BEAMS:
-        raise ValueError(f"num_beams must be an integer in 1..{MAX_BEAMS} (1: greedy search) or 'model', got {num_beams!r}")
-    given = {k: v for k, v in (("length_penalty", length_penalty), ("early_stopping", early_stopping)) if v is not None}
-    if length_penalty is not None and not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    if early_stopping is not None and early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping must be one of: true, false, never; got {early_stopping!r}")
-    source = "the export's generation config (--num-beams model)" if from_model else "the command line"
-    # The model's repetition control applies to every search; recorded so CTranslate2, which reads
-    # no generation config, can be given the same.
-    rules = {"repetition_penalty": float(g.repetition_penalty), "no_repeat_ngram_size": int(g.no_repeat_ngram_size)}
-    if beams == 1:
-        if given:
-            raise ValueError(f"{' and '.join(given)}: beam search only, and num_beams is 1 (from {source})")
-        return {"search": "greedy", "num_beams": 1, "label": "greedy", "num_beams_from": source, **rules}
-    return {
-        **rules,
-        "search": "beam", "num_beams": beams, "label": f"beam {beams}", "num_beams_from": source,
-        "length_penalty": float(g.length_penalty if length_penalty is None else length_penalty),
-        "early_stopping": g.early_stopping if early_stopping is None else early_stopping,
-        "given": given,  # the rest are the export's generation config
-    }
-
-
-def decode_args(decoding: dict, ct2: bool = False) -> list[str]:
-    """The worker's command-line options for `decoding`. Only what the user gave is passed on, so the
-    export's (and the peer's model folder's) generation config decides the rest; CTranslate2 reads no
-    generation config, so it always gets the effective length_penalty in beam search."""
-    args = ["--num-beams", str(decoding["num_beams"])]
-    if ct2:  # CTranslate2 reads no generation config: the model's repetition control, given explicitly
-        if decoding.get("repetition_penalty", 1.0) != 1.0:
-            args += ["--repetition-penalty", repr(decoding["repetition_penalty"])]
-        if decoding.get("no_repeat_ngram_size"):
-            args += ["--no-repeat-ngram-size", str(decoding["no_repeat_ngram_size"])]
-    if decoding["search"] == "greedy":
-        return args
-    given = decoding["given"]
-    if "length_penalty" in given or ct2:
-        args += ["--length-penalty", repr(decoding["length_penalty"])]
-    if "early_stopping" in given and not ct2:  # CTranslate2 has no early_stopping (its patience stays 1)
-        args += ["--early-stopping", str(decoding["early_stopping"]).lower()]
-    return args
-
-
 def source_ids(export_dir: Path, sentences: list[str]) -> list[list[int]]:
-    from backends.tokenizer import MarianTokenizerWrapper
+    """Our tokenizer's ids per sentence (the export's family and source language): peers check theirs match."""
+    from backends.tokenizer import TokenizerWrapper
 
-    tok = MarianTokenizerWrapper(export_dir)
+    tok = TokenizerWrapper(export_dir)
     return [tok.encode([s], 10**6).input_ids[0].tolist() for s in sentences]
-
 
 
 def _run_subprocess(cmd: list[str], out_json: Path, log_path: Path, threads: int, timeout: int) -> dict:
@@ -146,8 +83,8 @@ def run(
     out_dir: Path,
     backend_names: list[str] | None = None,
     peer_names: list[str] | None = None,
-    peer_python: Path = peers_mod.DEFAULT_PEER_PYTHON,
-    peer_cache: Path = peers_mod.PEER_CACHE,
+    peer_python: Path = DEFAULT_PEER_PYTHON,
+    peer_cache: Path = PEER_CACHE,
     log=print,
     num_beams: int | str = 1,
     length_penalty: float | None = None,
@@ -166,10 +103,10 @@ def run(
     from backends.ort_external import find_layout
 
     external = {n: os.path.abspath(p) for n, p in check_external(external).items()}  # the worker runs elsewhere
-    taken = [n for n in external if n in peers_mod.PEER_NAMES]
+    taken = [n for n in external if n in PEER_NAMES]
     if taken:
         raise ValueError(f"external backend name(s) {', '.join(taken)} taken by a peer runtime; choose others than: "
-                         f"{', '.join(peers_mod.PEER_NAMES)}")
+                         f"{', '.join(PEER_NAMES)}")
     for path in external.values():
         find_layout(path)  # a folder that holds no export fails now, not after the other runtimes
 
@@ -188,9 +125,9 @@ def run(
     if unknown:
         raise ValueError(f"unknown backend(s) {', '.join(unknown)}; expected any of: {', '.join(BACKEND_NAMES)}")
     peer_names = peer_names or []
-    bad = [p for p in peer_names if p not in peers_mod.PEER_NAMES]
+    bad = [p for p in peer_names if p not in PEER_NAMES]
     if bad:
-        raise ValueError(f"unknown peer(s) {', '.join(bad)}; expected any of: {', '.join(peers_mod.PEER_NAMES)}")
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; expected any of: {', '.join(PEER_NAMES)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(exist_ok=True)
     env = environment(options.threads)
@@ -213,42 +150,22 @@ def run(
         jobs.append((name, cmd, True, {"command": cmd}))
     failed = {}
     if peer_names:
-        source = Path(manifest.data["source_model"].get("path") or "")
-        prepared = {}
-        if not source.is_dir():
-            failed.update({p: f"the source model folder {source} is gone; the peers convert from it" for p in peer_names})
-        else:
-            runnable = list(peer_names)
-            if not Path(peer_python).is_file():
-                missing = [p for p in peer_names if p not in peers_mod.IN_PROJECT_ENV]
-                failed.update({p: f"{peer_python} not found: create the peer environment with `make bench-venv`"
-                               for p in missing})
-                runnable = [p for p in peer_names if p not in missing]
-            prepared = peers_mod.prepare(source, Path(peer_cache) / Path(export_dir).name, runnable,
-                                         Path(peer_python), log=log)
-        for name in [n for n, p in prepared.items() if "error" in p]:
-            failed[name] = prepared.pop(name)["error"]
-            log(f"{name}: {failed[name].splitlines()[0]}")
-        for name, prep in prepared.items():
-            python = sys.executable if name in peers_mod.IN_PROJECT_ENV else str(peer_python)
-            cmd = [python, "-m", "bench.peers", "worker", "--peer", name, "--model-dir", prep["dir"], "--source", str(source),
-                   *decode_args(decoding, ct2=name.startswith("ct2"))]
-            extra = {"conversion": {k: v for k, v in prep.items() if k != "dir"}, "command": cmd}
-            jobs.append((name, cmd, options.sweep_peers, extra))
+        peer_cmds, failed = peer_jobs(manifest, export_dir, peer_names, peer_python, peer_cache, decoding, log)
+        jobs += [(name, cmd, options.sweep_peers, extra) for name, cmd, extra in peer_cmds]
 
     ct2_probes = {}
-    if options.ct2_probe_rounds and any(name.startswith("ct2") for name, *_ in jobs):
+    if options.ct2_probe_rounds and any(is_ct2(name) for name, *_ in jobs):
         probe_path = out_dir / "spec-probe.json"
         probe_spec(Spec.load(spec_nosweep_path)).save(probe_path)
         for k, (name, cmd, sweeps, extra) in enumerate(jobs):
-            if not name.startswith("ct2"):
+            if not is_ct2(name):
                 continue
             probe = _probe_ct2(name, cmd, probe_path, options, out_dir, log)
             ct2_probes[name] = probe
             if "error" in probe:
                 failed[name] = probe["error"]
                 continue
-            cmd = [*cmd, *peers_mod.ct2_setting_args(probe["chosen"])]
+            cmd = [*cmd, *ct2_setting_args(probe["chosen"])]
             jobs[k] = (name, cmd, sweeps, {**extra, "command": cmd})
 
     # The batch-1 floor targets (greedy, forced lengths) compare each round with a floor measured
@@ -268,8 +185,8 @@ def run(
             out_json = out_dir / "logs" / f"{tag}.json"
             beside = None
             if floor_beside_rounds and name in floor_of:
-                # This host's read bandwidth swings by up to 1.5x within an hour: a floor taken at the
-                # end of the run can be minutes and a different machine state away from the round.
+                # Read bandwidth drifts on a shared host: a floor taken at the end of the run can be
+                # minutes and a different machine state away from the round it judges.
                 graph = floor_of[name]
                 measured = floor_mod.floors(export_dir, manifest, options.threads, graphs=(graph,))
                 beside = {"gb_per_s": measured["bandwidth"]["gb_per_s"], **measured["graphs"][graph]}
@@ -286,11 +203,11 @@ def run(
             if beside is not None:
                 r["floor_beside"] = beside
             per_round.setdefault(name, []).append({**r, **extra})
-            _log_result(name, r, log)
+            log_result(name, r, log)
     runtimes = {name: merge_rounds(rs) for name, rs in per_round.items()}
     if options.rounds > 1:
         for name, r in runtimes.items():
-            _log_result(f"{name} (median of {len(per_round[name])})", r, log)
+            log_result(f"{name} (median of {len(per_round[name])})", r, log)
 
     paired = {}
     if options.paired_rounds:
@@ -308,7 +225,7 @@ def run(
     if options.floor:
         log("memory-bandwidth floor: measuring read bandwidth ...")
         env["floor"] = floor_mod.floors(export_dir, manifest, options.threads)
-    venv_peer = next((r for n, r in runtimes.items() if r.get("kind") == "peer" and n not in peers_mod.IN_PROJECT_ENV), None)
+    venv_peer = next((r for n, r in runtimes.items() if r.get("kind") == "peer" and n not in IN_PROJECT_ENV), None)
     if venv_peer:
         env["peer_environment"] = {"python": str(peer_python), "versions": venv_peer["versions"]}
     results = {
@@ -369,11 +286,11 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
     """Time each of CTranslate2's settings (peers.ct2_settings) `options.ct2_probe_rounds` times over
     the probe spec, the order reversed every other round; the fastest is chosen (choose_setting).
     A setting that fails is reported and left out; all failing fails the peer."""
-    settings = peers_mod.ct2_settings(options.threads)
+    settings = ct2_settings(options.threads)
     big = str(options.batch_sizes[-1])
     trials, errors = [], []
     for k in range(options.ct2_probe_rounds):
-        if k and trials:  # a setting far behind after a pass is not timed again: MKL's int8 on an AMD EPYC took 50x oneDNN's
+        if k and trials:  # a setting far behind after a pass is not timed again: one pass of it can take minutes
             rows = choose_setting(trials)["settings"]
             best = min(r["score"] for r in rows)
             near = [r["setting"] for r in rows if r["score"] <= PROBE_AGAIN * best]  # a failed setting is in no row
@@ -381,7 +298,7 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
         for setting in settings if k % 2 == 0 else settings[::-1]:
             tag = f"probe.{name}.{setting['gemm']}-{setting['threads']}.{k + 1}"
             out_json = out_dir / "logs" / f"{tag}.json"
-            r = _run_subprocess([*cmd, *peers_mod.ct2_setting_args(setting), "--spec", str(spec_path), "--out", str(out_json)],
+            r = _run_subprocess([*cmd, *ct2_setting_args(setting), "--spec", str(spec_path), "--out", str(out_json)],
                                 out_json, out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
             if "error" in r:
                 errors.append({"setting": setting, "error": r["error"]})
@@ -401,41 +318,6 @@ def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions
 
 
 def _has_ct2(names) -> bool:
-    return any(n.startswith("ct2") for n in names or [])
+    return any(is_ct2(n) for n in names or [])
 
 
-def _log_result(name: str, r: dict, log) -> None:
-    lat = r["latency"]
-    thr = " ".join(f"b{b} {t['sentences_per_s']:.2f} sent/s" for b, t in r["throughput"].items())
-    log(f"{name}: load {r['load_s']:.2f} s; batch 1 p50 {lat['p50']:.1f} ms p90 {lat['p90']:.1f} p99 {lat['p99']:.1f} "
-        f"({lat['ms_per_token_p50']:.2f} ms/token); {thr}; peak RSS {r['peak_rss_mb']:.0f} MB")
-
-
-def merge_rounds(rounds: list[dict]) -> dict:
-    """One runtime's results over several rounds -> the first round's result with every timing
-    replaced by its median over the rounds, peak RSS by its maximum, and the per-round figures
-    kept under `rounds` so the spread is on record."""
-    if len(rounds) == 1:
-        return rounds[0]
-    merged = json.loads(json.dumps(rounds[0]))  # a deep copy: outputs, info and the sweep of round 1
-    med = lambda values: float(np.median(values))  # noqa: E731
-    merged["load_s"] = med([r["load_s"] for r in rounds])
-    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
-    for key, value in rounds[0]["latency"].items():
-        if isinstance(value, (int, float)) and key not in ("n", "hit_cap", "tokens_mean"):
-            merged["latency"][key] = med([r["latency"][key] for r in rounds])
-    for batch, first in rounds[0]["throughput"].items():
-        seconds = med([r["throughput"][batch]["seconds"] for r in rounds])
-        merged["throughput"][batch]["seconds"] = seconds
-        merged["throughput"][batch]["sentences_per_s"] = first["sentences"] / seconds
-        merged["throughput"][batch]["tokens_per_s"] = first["generated_tokens"] / seconds
-        if "engine_seconds" in first:
-            merged["throughput"][batch]["engine_seconds"] = med([r["throughput"][batch]["engine_seconds"] for r in rounds])
-    merged["rounds"] = [
-        {"b1_p50_ms": r["latency"]["p50"], **{f"b{b}_sent_per_s": t["sentences_per_s"] for b, t in r["throughput"].items()},
-         **({"ms_per_token_p50": r["latency"].get("ms_per_token_p50"),
-             "engine_ms_per_token_p50": r["latency"].get("engine_ms_per_token_p50"),
-             "floor_beside": r["floor_beside"]} if "floor_beside" in r else {})}
-        for r in rounds
-    ]
-    return merged

@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from runtime.protocol import BackendRuntime, Spec, measure
+
 from .peers import early_stopping_arg
-from .protocol import BackendRuntime, Spec, measure, peak_rss_mb, reset_peak_rss, rss_mb
 
 
 def size_on_disk(backend) -> tuple[int, list[str]]:

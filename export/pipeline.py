@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.protocol import reset_peak_rss
+from runtime.memory import reset_peak_rss
 
 from . import fp16, graphs, quantize, rewrite, sidecar, verify
 from .source import load_source

@@ -16,9 +16,9 @@ from typing import Any
 
 from backends import REFERENCE
 from corpus import DEV_TSV, Pair, default_sample
+from runtime.protocol import BackendRuntime, measure
 
 from .environment import environment
-from .protocol import BackendRuntime, measure
 from .reports import write
 from .speedrun import GREEDY, SpeedOptions, add_comparisons, make_spec, model_info, sentence_info
 

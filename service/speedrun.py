@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from corpus import Pair
+from runtime.protocol import Spec
 
-from .protocol import Spec
 from .speed_verdicts import (  # noqa: F401  (the verdicts are this module's API too)
     CLAIMS,
     FLOOR_TARGETS,

@@ -13,10 +13,10 @@ import os
 import time
 
 from backends import REFERENCE
+from runtime.protocol import percentiles
 
 from . import metrics
 from .environment import environment
-from .protocol import percentiles
 
 SPOT_CHECK_LIMIT = 200  # sentences; every backend at batch 1 takes about a minute for 200 on 2 cores
 SPOT_CHECK_TIMED = (

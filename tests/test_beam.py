@@ -696,7 +696,7 @@ def test_the_opus_sized_fixture_decodes_as_the_published_model(tmp_path, monkeyp
 def test_benchmarks_time_greedy_search_unless_told_even_when_the_model_beams(peaked):
     """The speed protocol's adapter: the peaked model's own config asks for 4 beams, the benchmark
     (and the app's quick run, which states greedy) must time greedy search unless given beams."""
-    from service.protocol import BackendRuntime
+    from runtime.protocol import BackendRuntime
 
     backend = peaked["ort_fp32_kv_cache"]
     texts = ["The cat sat on the mat.", "Open the file menu and choose Save as."]

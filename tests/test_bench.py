@@ -18,8 +18,8 @@ from backends.divergence import first_divergence
 from bench.data import default_backends
 from conftest import DEV_TSV, REPO, dev_sentences
 from corpus import SAMPLE_WORDS as WORDS, default_sample, read_pairs
+from runtime.protocol import percentiles
 from service import metrics
-from service.protocol import percentiles
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FP32 = ("ort_fp32_single_step", "ort_fp32_kv_cache")
@@ -386,14 +386,15 @@ def test_the_app_and_the_request_layer_never_import_bench():
 
 
 def test_measuring_workers_load_the_protocol_without_the_request_layer():
-    """The worker and peer processes get service/protocol.py by path: no service/__init__, so no backends
-    or ONNX Runtime in a peer's memory or before our workers' timed imports (and none in .venv-bench)."""
-    code = ("import sys, bench.worker, bench.peers, bench.protocol as p; "
-            "print(p.measure.__module__, sorted({m.split('.')[0] for m in sys.modules if m != 'service.protocol'} & "
+    """The worker and peer processes import the protocol from runtime/, below the request layer: no
+    service/__init__, so no backends or ONNX Runtime in a peer's memory or before our workers' timed
+    imports (and none in .venv-bench)."""
+    code = ("import sys, bench.worker, bench.peers.worker, runtime.protocol as p; "
+            "print(p.measure.__module__, sorted({m.split('.')[0] for m in sys.modules} & "
             "{'service', 'backends', 'onnxruntime', 'torch', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["service.protocol", "[]"]
+    assert out.split() == ["runtime.protocol", "[]"]
 
 
 def test_quick_run_for_the_app(tiny_backends, tmp_path):
@@ -500,7 +501,7 @@ def test_choose_setting_takes_each_settings_best_and_the_lowest_latency_per_thro
 
 def test_the_probe_times_again_only_settings_near_the_best(monkeypatch, tmp_path):
     from bench import speed
-    from service.protocol import Spec
+    from runtime.protocol import Spec
     from service.speedrun import SpeedOptions
 
     ran = []
@@ -526,7 +527,7 @@ def test_the_probe_times_again_only_settings_near_the_best(monkeypatch, tmp_path
 
 
 def test_probe_spec_times_a_few_single_sentences_and_one_largest_batch():
-    from service.protocol import Spec
+    from runtime.protocol import Spec
     from service.speedrun import PROBE_LATENCY_SENTENCES, probe_spec
 
     spec = Spec(sentences=[f"s{i}" for i in range(40)], latency_idx=list(range(40)), throughput_idx=list(range(39, -1, -1)),
@@ -880,7 +881,7 @@ def test_a_workers_peak_rss_is_its_own_not_its_launchers():
     """Linux keeps getrusage's ru_maxrss across fork and exec, so a worker launched by a process
     that once held 800 MB reported 800 MB whatever it ran (every runtime "3396 MB" after an export in
     the benchmark's own process). The worker's figure must be its own address space's peak."""
-    child = ("import json, resource; import bench.protocol as p; p.reset_peak_rss(); "
+    child = ("import json, resource; import runtime.memory as p; p.reset_peak_rss(); "
              "print(json.dumps({'peak': p.peak_rss_mb(), 'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6}))")
     parent = (
         "import subprocess, sys\n"

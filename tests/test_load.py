@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from bench.load import LoadOptions, drive, memory_change, run, summary
+from bench.load import LoadOptions, drive, run
+from bench.load_results import memory_change, summary
 
 
 # ---------------------------------------------------------------------------------------------

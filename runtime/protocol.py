@@ -1,12 +1,13 @@
 """The one measurement protocol every runtime goes through, ours and the peers'.
 
 Used by `python -m bench speed` (each runtime alone in its own process: `bench/worker.py`,
-`bench/peers.py`) and by the app's quick run (`quickbench.py`, every backend in the app's process).
+`bench/peers/worker.py`) and by the app's quick run (`service/quickbench.py`, every backend in the
+app's process).
 
-Stdlib and numpy only, and no import from this package: the measuring subprocesses load this one
-file by path (`bench/protocol.py`), without `service/__init__.py` and the backends and ONNX Runtime
-it imports, so those stay out of a peer's memory and out of our workers' timed imports. The peers
-run in their own environment (`.venv-bench`, transformers 4), where `backends` is not meant to run.
+Stdlib and numpy only, in a package that imports nothing at its top: the measuring subprocesses
+import it without the request layer, the backends or ONNX Runtime, so those stay out of a peer's
+memory and out of our workers' timed imports. The peers run in their own environment
+(`.venv-bench`, transformers 4), where `backends` is not meant to run.
 
 A runtime is anything with `translate(texts, max_new_tokens, min_new_tokens) -> list[Output]`, one
 call being one padded batch. Every timing is the wall-clock time of that call (time.perf_counter):
@@ -18,13 +19,13 @@ warm-up calls. Generated tokens are counted per sentence, eos included when the 
 from __future__ import annotations
 
 import json
-import os
-import resource
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
 import numpy as np
+
+from .memory import peak_rss_mb, rss_mb
 
 PERCENTILES = (50, 90, 99)
 
@@ -97,41 +98,6 @@ def percentiles(values_ms: list[float]) -> dict[str, float]:
     out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES})
     out.update(mean=float(a.mean()), min=float(a.min()), max=float(a.max()))
     return out
-
-
-def rss_mb() -> float:
-    """Resident memory of this process now, MB (1e6 bytes), from /proc."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
-
-
-def reset_peak_rss() -> bool:
-    """Restart this process's high-water mark (VmHWM) at its current RSS; False where the kernel
-    refuses. A worker calls it first, so its peak is its own runtime's and not its launcher's."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process's own address space, MB: /proc's VmHWM.
-
-    Not getrusage's ru_maxrss: Linux keeps it across fork and exec, so a worker started by a
-    process that once held 3.4 GB (an export made in the benchmark's own process) reported 3.4 GB
-    for every runtime. VmHWM belongs to the address space exec created, and reset_peak_rss()
-    restarts it. ru_maxrss only where /proc is missing (not Linux: there it is the process's own)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # bytes on macOS
 
 
 def _engine_ms(runtime: Runtime) -> float | None:

@@ -1,0 +1,96 @@
+"""`bench speed --peers` on a family with language codes (NLLB): the peers run the family's classes,
+read the sources in the export's source language and force its target language first, and the
+exact ones are token-identical to generate(), as tests/test_bench.py asserts for Marian."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from corpus import TRAIN_TSV, default_sample
+
+PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
+FORCED = 4  # forced output length: a random model never stops on its own
+PEERS = ["transformers", "optimum_fp32", "ct2_float32", "ct2_int8"]
+
+pytestmark = [
+    pytest.mark.peers,
+    pytest.mark.slow,
+    pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="no peer environment (.venv-bench); `make bench-venv` creates it"),
+]
+
+
+@pytest.fixture(scope="module")
+def nllb_model_dir(tmp_path_factory) -> Path:
+    from export.fixtures import build
+
+    return build("nllb-tiny", tmp_path_factory.mktemp("models") / "nllb-tiny", corpus=TRAIN_TSV)
+
+
+@pytest.fixture(scope="module")
+def nllb_export_dir(nllb_model_dir, tmp_path_factory) -> Path:
+    from export.pipeline import ExportOptions, export
+
+    out = tmp_path_factory.mktemp("exports") / "nllb-tiny"
+    return export(str(nllb_model_dir), ExportOptions(out=out, threads=2), log=lambda *a, **k: None)
+
+
+@pytest.fixture(scope="module")
+def nllb_peer_run(nllb_export_dir, peer_cache, tmp_path_factory):
+    from bench.speed import run
+    from service.speedrun import SpeedOptions
+
+    options = SpeedOptions(forced_tokens=FORCED, latency_sentences=4, throughput_sentences=4, batch_sizes=(2,),
+                           sweep_lengths=(), warmup=1, floor=False, ct2_probe_rounds=0)
+    return run(nllb_export_dir, default_sample(4), options, tmp_path_factory.mktemp("nllb-peers") / "out",
+               backend_names=["pytorch"], peer_names=PEERS, peer_python=PEER_PYTHON, peer_cache=peer_cache,
+               log=lambda m: None)
+
+
+def test_peers_run_the_family_with_its_languages(nllb_peer_run, nllb_export_dir):
+    from backends import load_manifest
+
+    manifest = load_manifest(nllb_export_dir)
+    forced_bos, languages = manifest.generation.forced_bos_token_id, manifest.languages
+    assert manifest.family == "m2m_100" and forced_bos == languages["codes"][languages["tgt_lang"]]
+    results = nllb_peer_run
+    assert results["failed"] == {}
+    rt = results["runtimes"]
+    for name in PEERS:
+        r = rt[name]
+        assert r["kind"] == "peer" and r["latency"]["n"] == 4 and r["latency"]["tokens_mean"] == float(FORCED)
+        assert r["tokenization_mismatches"] == []  # the peer's tokenizer reads sources in the export's language
+        assert r["command"][r["command"].index("--src-lang") + 1] == languages["src_lang"]
+        assert r["command"][r["command"].index("--tgt-lang") + 1] == languages["tgt_lang"]
+        assert all(o["ids"][0] == forced_bos for o in r["outputs"])  # the target's code first, as generate() forces it
+    for name in ("transformers", "optimum_fp32"):
+        assert rt[name]["call"]["forced_bos_token_id"] == forced_bos
+    assert rt["ct2_float32"]["info"]["conversion"]["decoder_start"].startswith("decoder_start_token_id 2 ")
+
+
+def test_exact_peers_are_token_identical_to_generate(nllb_peer_run, nllb_model_dir, nllb_export_dir):
+    """generate() greedy, called here directly, against the transformers peer, Optimum fp32 and
+    CTranslate2 float32; CTranslate2 int8 is reduced precision: agreement, not identity."""
+    import torch
+    import transformers
+
+    from backends import load_manifest
+
+    manifest = load_manifest(nllb_export_dir)
+    model = getattr(transformers, manifest.architecture).from_pretrained(nllb_model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(nllb_model_dir, src_lang=manifest.languages["src_lang"])
+    direct = []
+    for pair in default_sample(4):
+        with torch.inference_mode():
+            row = model.generate(**tokenizer([pair.en], return_tensors="pt"), num_beams=1, do_sample=False,
+                                 forced_bos_token_id=manifest.generation.forced_bos_token_id, forced_eos_token_id=None,
+                                 max_new_tokens=FORCED, min_new_tokens=FORCED)
+        direct.append(row[0, 1:].tolist())  # the decoder start excluded
+    rt = nllb_peer_run["runtimes"]
+    assert [o["ids"] for o in rt["pytorch"]["outputs"]] == direct
+    for name in ("transformers", "optimum_fp32", "ct2_float32"):
+        assert [o["ids"] for o in rt[name]["outputs"]] == direct, name
+        assert rt[name]["comparison"]["identical_to_reference"] == 1.0
+    assert 0.0 <= rt["ct2_int8"]["comparison"]["identical_to_reference"] <= 1.0
