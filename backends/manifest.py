@@ -231,7 +231,7 @@ class Manifest:
 
     @property
     def family(self) -> str:
-        """"marian", "m2m_100" or "mbart" (export/families.py)."""
+        """"marian", "m2m_100" or "mbart" (families/)."""
         return self.data["family"]["name"]
 
     @property

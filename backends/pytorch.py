@@ -17,7 +17,7 @@ try:
 except ImportError as e:  # pragma: no cover
     raise RuntimeError("the pytorch backend requires torch (pip install torch==2.13.0)") from e
 
-from export.families import DEFAULT_FAMILY, FAMILIES, architectures
+from families import DEFAULT_FAMILY, FAMILIES, architectures
 
 SUPPORTED_ARCHITECTURES = architectures()
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from export.families import DEFAULT_FAMILY, FAMILIES, tokenizer_classes
+from families import DEFAULT_FAMILY, FAMILIES, tokenizer_classes
 
-# The classes the families use (export/families/); anything else in a sidecar is refused.
+# The classes the families use (families/); anything else in a sidecar is refused.
 TOKENIZER_CLASSES = tokenizer_classes()
 
 

@@ -1,4 +1,4 @@
-"""python -m export SRC --out DIR: a HF translation model of a registered family (export/families/) to verified ONNX graphs plus manifest.json."""
+"""python -m export SRC --out DIR: a HF translation model of a registered family (families/) to verified ONNX graphs plus manifest.json."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from corpus import DEV_TSV
-from .families import FAMILIES
+from families import FAMILIES
 from .graphs import DEFAULT_OPSET, ExportError
 from .pipeline import ExportOptions, VerificationFailed, export
 from .source import SourceError

@@ -1,6 +1,6 @@
 """Local model folders for tests and benchmarks, one recipe per fixture: no hub needed.
 
-Each family lists its recipes in its registry entry (export/families/): random weights with the
+Each family lists its recipes in its registry entry (families/): random weights with the
 family's configuration and a working tokenizer trained on a corpus sample.
 - `tiny` (Marian): a two-layer model small enough to export in seconds, for the test suite.
 - `opus-mt-random` (Marian): opus-mt-en-zh's exact configuration and a 65001-id tokenizer, the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from corpus import TRAIN_TSV, read_pairs as read_corpus
 
-from .families import fixtures
+from families import fixtures
 
 # name -> recipe (`sample_pairs`, `build(folder, pairs, seed)`), every family's.
 FIXTURES = fixtures()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .families import shape_of
+from families import shape_of
 from .wrappers import FullSeq2Seq
 
 DEFAULT_OPSET = 18  # the dynamo exporter's native opset; LayerNormalization is one op from 17

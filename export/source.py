@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .families import Family, UnsupportedArchitecture, default_languages, family_of, supported
+from families import Family, UnsupportedArchitecture, default_languages, family_of, supported
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

@@ -1,5 +1,5 @@
 """Export-friendly forward passes over a BART-style seq2seq model's own weights: the graph
-wrappers of the families whose layout is `export/families/bart.py`'s.
+wrappers of the families whose layout is `families/bart.py`'s.
 
 The KV-cache graphs need tensors in and tensors out (no Cache objects), cross-attention keys and
 values computed once by the encoder graph, and the position of the newest token taken from the
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .families import Family
+from families import Family
 
 # Additive mask value: finite in fp16 too, so the fp16 graphs never see -inf + x = NaN, and large
 # enough that exp() underflows to exactly 0 in fp32 (same probabilities as HF's finfo.min mask).

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from export.families import DEFAULT_FAMILY, FAMILIES, family_named, layouts
+from families import DEFAULT_FAMILY, FAMILIES, family_named, layouts
 
-# Each family's module naming (export/families/): its layout's scopes, paths and order.
+# Each family's module naming (families/): its layout's scopes, paths and order.
 _LAYOUTS = layouts()
 # Scopes of the graph wrappers -> HF paths below the HF model's `.model`.
 _WRAPPER_SCOPES = {root: scopes for layout in _LAYOUTS for root, scopes in layout.naming.wrapper_scopes.items()}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import BACKEND_NAMES, ManifestError, load_manifest
-from export.families import family_named
+from families import family_named
 from service import RequestLimits
 
 REPO = Path(__file__).resolve().parent.parent

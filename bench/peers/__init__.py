@@ -15,7 +15,7 @@ names them; each is a `runtime.RuntimeSpec` as our backends are:
   (`ct2_convert.py` says how).
 
 Every family of the export runs: the model class and tokenizer come from the family registry
-(`export/families.py`), the languages from the export's sidecar (`model.PeerModel`): the source
+(`families/`), the languages from the export's sidecar (`model.PeerModel`): the source
 language's code prefixes each source, the target's is forced first (generate()'s
 `forced_bos_token_id`, CTranslate2's `target_prefix`).
 

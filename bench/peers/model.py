@@ -1,6 +1,6 @@
 """What a peer knows about the model it runs: its family, its tokenizer and its languages.
 
-The family comes from the family registry (`export.families.family_of` over the source folder's
+The family comes from the family registry (`families.family_of` over the source folder's
 config.json: the transformers class, the tokenizer classes), the languages from the export's
 sidecar (`languages.src_lang` / `tgt_lang`, the target's code forced first). Stdlib only at the top:
 the peer's environment runs transformers 4, the project transformers 5.
@@ -32,7 +32,7 @@ class PeerModel:
                 *(["--tgt-lang", self.tgt_lang] if self.tgt_lang else [])]
 
     def family(self):
-        from export.families import family_of
+        from families import family_of
 
         config = json.loads((self.source / "config.json").read_text(encoding="utf-8"))
         return family_of(config, str(self.source))

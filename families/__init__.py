@@ -8,7 +8,8 @@ Adding a family is a module here with its entry, and its name in `FAMILIES` belo
 a layout of its own also brings its graph wrappers (and, for another attention core, the fusion
 that matches it) as modules of their own. Nothing else branches on a family's name.
 
-Standard library only (see `family.py`).
+Standard library only, below every layer (see `family.py`): the exporter, the backends, the request
+layer, the UI and the peers' environment all read it.
 """
 
 from __future__ import annotations
