@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from backends.registry import BACKEND_NAMES, REFERENCE
+from runtime.peers import PEERS
 
 from . import metrics
 
@@ -13,6 +14,8 @@ from . import metrics
 KV, I8 = "ort_fp32_kv_cache", "ort_int8"
 # The KV cache's gain (cached, single-step) grows with the output length: the length sweep shows it.
 CACHE_PAIR = (KV, "ort_fp32_single_step")
+# Each of our KV-cache backends against the CTranslate2 peer of the same precision.
+CT2_PAIRS = ((KV, "ct2_float32"), (I8, "ct2_int8"))
 
 
 def add_comparisons(results: dict, references: list[str | None]) -> None:
@@ -196,7 +199,7 @@ def targets(results: dict) -> list[dict]:
     kv, i8 = KV, I8
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     if beams == 1:
-        for ours, peer, label in ((kv, "ct2_float32", "CTranslate2 float32"), (i8, "ct2_int8", "CTranslate2 int8")):
+        for ours, peer, label in ((o, p, PEERS[p].label) for o, p in CT2_PAIRS):
             def fmt(v, _, ours=ours, peer=peer, label=label):
                 text = f"{v:.2f}x {label}'s sentences/s ({thr(ours):.1f} vs {thr(peer):.1f})"
                 g = engine_thr(ours)
@@ -229,7 +232,7 @@ def targets(results: dict) -> list[dict]:
         check(f"{kv}, batch 1, beam {beams}: at most 0.6x generate(num_beams={beams})'s latency",
               ratio(p50(kv), p50("transformers")), 0.6, False, lambda v, _: f"{v:.2f}x generate()'s p50",
               (kv, "transformers"))
-        for ours, peer, label in ((kv, "ct2_float32", "CTranslate2 float32"), (i8, "ct2_int8", "CTranslate2 int8")):
+        for ours, peer, label in ((o, p, PEERS[p].label) for o, p in CT2_PAIRS):
             check(f"{ours}, batch 1, beam {beams}: no slower than {label} beam_size={beams}",
                   ratio(p50(ours), p50(peer)), 1.0, False, lambda v, _, label=label: f"{v:.2f}x {label}'s p50",
                   (ours, peer))

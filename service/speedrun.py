@@ -22,6 +22,7 @@ from runtime.protocol import Spec
 
 from .speed_verdicts import (  # noqa: F401  (the verdicts are this module's API too)
     CLAIMS,
+    CT2_PAIRS,
     FLOOR_TARGETS,
     I8,
     KV,
@@ -166,8 +167,8 @@ def _greedy(decoding: dict) -> bool:
 def target_pairs(decoding: dict) -> list[tuple[str, str]]:
     """(ours, peer) of each target that compares two runtimes (see `targets`), for the paired check."""
     if _greedy(decoding):
-        return [(KV, "ct2_float32"), (I8, "ct2_int8")]  # throughput at the largest batch
-    return [(KV, "transformers"), (KV, "ct2_float32"), (I8, "ct2_int8")]  # batch-1 p50
+        return list(CT2_PAIRS)  # throughput at the largest batch
+    return [(KV, "transformers"), *CT2_PAIRS]  # batch-1 p50
 
 
 def paired_spec(spec: Spec, decoding: dict) -> Spec:
