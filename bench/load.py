@@ -242,7 +242,7 @@ def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], 
 
     pairs = default_sample(options.requests, options.tsv, options.seed)
     texts = [p.en for p in pairs]
-    # httpx verifies TLS by loading the CA bundle again on every POST (~0.15 s of CPU here), which
+    # httpx verifies TLS by loading the CA bundle again on every POST, CPU which
     # on a small machine the load generator would take from the app it measures; plain http needs none.
     ssl_verify = urlparse(url).scheme == "https"
     clients = [Client(url, verbose=False, ssl_verify=ssl_verify) for _ in range(options.users)]

@@ -1,7 +1,7 @@
 """`python -m train --out assets/marian-en-zh-small`: corpus → tokenizer → model → eval.
 
-Defaults are the v2 recipe (issue 18): data/train.tsv.gz + data/extra.tsv.gz, a 23.9M-parameter
-MarianMTModel (d_model 384, 6+3 layers), peak lr 1e-3. Work files (spm inputs, checkpoints,
+Defaults are the shipped model's recipe: data/train.tsv.gz + data/extra.tsv.gz, a MarianMTModel
+(d_model 384, 6+3 layers), peak lr 1e-3. Work files (spm inputs, checkpoints,
 snapshots, log) go to --run-dir; `--resume` continues from its latest checkpoint with a fresh
 --max-minutes budget, so the recipe runs as several invocations of at most 90 minutes each.
 """

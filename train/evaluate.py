@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 # An output "stutters" when one token (a Chinese character, or a word/number elsewhere, as
 # sacrebleu's zh tokenizer splits them) occurs this many times in a row: 很很很很, 被被被被.
-# Issue 18's target counts runs of 4+; runs of 3+ are reported too, because blocking repeated
+# Runs of 4+ are the stutter the model card reports; runs of 3+ are reported too, because blocking repeated
 # trigrams (no_repeat_ngram_size 3) caps every run at 3 without curing the stutter (风风风很很很).
 REPEAT_RUN = 4
 SHORT_RUN = 3

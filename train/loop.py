@@ -32,14 +32,14 @@ class TrainOptions:
     max_steps: int = 0              # 0 = no step limit
     checkpoint_minutes: float = 10.0
     dev_subset: int = 100           # dev rows scored at each checkpoint for model selection
-    # Also keep each checkpoint's weights as snapshots/step-N.pt (model only: 96 MB at v2's size),
+    # Also keep each checkpoint's weights as snapshots/step-N.pt (model only),
     # so `python -m train.curve RUN_DIR` can score the learning curve on all of dev afterwards.
     keep_snapshots: bool = True
     # Steps a warm start (`--init-from`) already trained: the schedule continues from there instead
     # of warming up again, so a continued model resumes at the learning rate it stopped at.
     schedule_offset: int = 0
     seed: int = 1234
-    # One thread: with other work on the 2 cores, 2 threads measured 3-4x slower (oversubscription).
+    # One thread: two threads beside other work on a 2-core machine oversubscribe it.
     threads: int = 1
 
 

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelSize:
-    # v2 (23.9M parameters, 96 MB float32): v1 was 256/4/1024, 4+3 layers (10.5M). Measured on the
-    # shared 2 cores, one thread, 4,000-token batches: 0.27 steps/s here vs 0.38 for v1, so 1.4x the
-    # step time for 2.3x the parameters; the demo's limit is 30M parameters / 120 MB.
+    # The shipped model's size: the largest that trains on two cores in a few sessions and stays
+    # under the demo's limit of 30M parameters / 120 MB (train/README.md has the measurements).
     d_model: int = 384
     heads: int = 6
     ffn: int = 1536
