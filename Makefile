@@ -24,12 +24,15 @@ $(VENV)/.installed: requirements.txt
 run: setup
 	$(PY) app.py
 
+# Two workers, one per core, each test file on one worker: its module fixtures are built once,
+# and the exports both workers need are shared through tests/conftest.py's on-disk cache.
+XDIST := -n 2 --dist loadfile
 test: setup bench-venv
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST) --durations=20
 
 FAST := not slow and not browser and not peers and not ray
 test-fast: setup
-	$(PY) -m pytest -q -m "$(FAST)"
+	$(PY) -m pytest -q $(XDIST) -m "$(FAST)"
 
 # The opus-mt-sized random fixture and its export, for benchmarks at real scale.
 export-fixture: setup

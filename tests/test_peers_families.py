@@ -4,12 +4,14 @@ exact ones are token-identical to generate(), as tests/test_bench.py asserts for
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from corpus import TRAIN_TSV, default_sample
+from conftest import REPO, cached
+from corpus import default_sample
+from test_families import _make_family, _peak
 
 PEER_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 FORCED = 4  # forced output length: a random model never stops on its own
@@ -23,18 +25,19 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def nllb_model_dir(tmp_path_factory) -> Path:
-    from export.fixtures import build
-
-    return build("nllb-tiny", tmp_path_factory.mktemp("models") / "nllb-tiny", corpus=TRAIN_TSV)
+def nllb_folder() -> Path:
+    """tests/test_families.py's NLLB fixture and its export, built once for both files (conftest's cache)."""
+    return cached("family-nllb-tiny", functools.partial(_make_family, "nllb-tiny"), _peak)
 
 
 @pytest.fixture(scope="module")
-def nllb_export_dir(nllb_model_dir, tmp_path_factory) -> Path:
-    from export.pipeline import ExportOptions, export
+def nllb_model_dir(nllb_folder) -> Path:
+    return nllb_folder / "models" / "nllb-tiny"
 
-    out = tmp_path_factory.mktemp("exports") / "nllb-tiny"
-    return export(str(nllb_model_dir), ExportOptions(out=out, threads=2), log=lambda *a, **k: None)
+
+@pytest.fixture(scope="module")
+def nllb_export_dir(nllb_folder) -> Path:
+    return nllb_folder / "exports" / "nllb-tiny"
 
 
 @pytest.fixture(scope="module")
