@@ -197,6 +197,19 @@ class Manifest:
     def vocab_size(self) -> int:
         return int(self.data["model"]["vocab_size"])
 
+    def kept_in_float(self, precision: str) -> str | None:
+        """One line for a low-precision backend's panel: what its graphs keep in fp32, and why."""
+        guard = (self.data.get(precision) or {}).get("guard")
+        if not guard:
+            return None
+        if guard.get("mode") != "auto":
+            return f"fp32 kept by rule: {guard.get('rule')}"
+        n = sum(len(nodes) for nodes in (guard.get("kept") or {}).values())
+        tops = [v for v in (guard.get("largest") or {}).values() if v]
+        top = max(tops, key=lambda v: v["max_abs"]) if tops else None
+        peak = f"; largest |value| on calibration text {top['max_abs']:.3g} ({top['op']})" if top else ""
+        return f"overflow guard: {n} node(s) in fp32, those reading or writing |values| >= {guard['threshold']:.0f}{peak}"
+
     def graph(self, name: str) -> dict[str, Any]:
         graphs = self.data["graphs"]
         if name not in graphs:
@@ -310,6 +323,7 @@ def load_manifest(export_dir: str | Path) -> Manifest:
     if missing:
         raise ManifestError(f"{path} lacks: {', '.join(missing)}")
     verification = data["verification"]
-    if verification is not None and not verification.get("fp32_passed", False):
-        raise ManifestError(f"{path}: this export failed its fp32 verification; re-export before using it")
+    if verification is not None and not (verification.get("fp32_passed", False) and verification.get("passed", True)):
+        first = (verification.get("failures") or ["(no failure recorded)"])[0]
+        raise ManifestError(f"{path}: this export failed its verification ({first}); re-export before using it")
     return Manifest(root=root, data=data)

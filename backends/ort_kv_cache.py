@@ -61,6 +61,9 @@ class KVCacheStepModel:
         precision = manifest.graph(decoder)["precision"]
         self.info = session_info(self.decoder, dec_path, config, precision)
         self.info["graph"] = f"{enc_path.name} + {dec_path.name}"
+        kept = manifest.kept_in_float(precision)
+        if kept:
+            self.info["kept_in_float"] = kept
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
         mask_array = np.ascontiguousarray(attention_mask)

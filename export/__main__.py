@@ -9,6 +9,7 @@ from pathlib import Path
 
 from corpus import DEV_TSV
 from families import FAMILIES
+from .fp16_guard import MODES as FP16_KEEP_MODES, Fp16Keep
 from .graphs import DEFAULT_OPSET, ExportError
 from .pipeline import ExportOptions, VerificationFailed, export
 from .source import SourceError
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
     parser.add_argument("--src-lang", default=None, help=f"source language code ({sources}; default English)")
     parser.add_argument("--tgt-lang", default=None, help=f"target language code, forced first (default Chinese: {targets})")
+    parser.add_argument("--fp16-keep", default="auto", metavar="|".join(FP16_KEEP_MODES),
+                        help="what stays fp32 in the fp16 graphs: auto (default: the nodes whose values on "
+                             "calibration text come near fp16's range), none (the converter's own block list), "
+                             "or ONNX op types")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -51,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             src_lang=args.src_lang,
             tgt_lang=args.tgt_lang,
+            fp16_keep=Fp16Keep.parse(args.fp16_keep),
         )
         out = export(args.src, options)
     except (FileExistsError, SourceError, ExportError, ValueError) as e:

@@ -20,11 +20,6 @@ import onnx
 from onnx import TensorProto, helper
 from onnx.external_data_helper import load_external_data_for_model
 
-# Ops kept in fp32 inside the fp16 graphs. Empty by default: the measured |Δlogit| (in the sidecar)
-# says whether that holds for a given model; the converter's own default block list still applies.
-KEEP_FP32_OPS: list[str] = []
-
-
 def _route_outputs_through_identity(model: onnx.ModelProto) -> list[str]:
     graph = model.graph
     outputs = {o.name for o in graph.output}
@@ -53,7 +48,31 @@ def _retarget_float_casts(model: onnx.ModelProto) -> int:
     return changed
 
 
-def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_OPS) -> dict:
+def _unshare_initializers(model: onnx.ModelProto, keep_nodes: set[str], keep_ops: set[str]) -> int:
+    """Give the fp32-kept nodes their own copy of every initializer they share with fp16 nodes (the
+    exporter merges equal constants): the converter keeps a shared one fp32 for both, and the fp16
+    reader would then get the wrong type. Returns how many were copied."""
+    graph = model.graph
+    kept = lambda node: node.name in keep_nodes or node.op_type in keep_ops  # noqa: E731
+    readers: dict[str, set[bool]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(kept(node))
+    shared = {init.name: init for init in graph.initializer if readers.get(init.name) == {True, False}}
+    for name, init in shared.items():
+        copy = onnx.TensorProto()
+        copy.CopyFrom(init)
+        copy.name = f"{name}__fp32"
+        graph.initializer.append(copy)
+    for node in graph.node:
+        if kept(node):
+            node.input[:] = [f"{i}__fp32" if i in shared else i for i in node.input]
+    return len(shared)
+
+
+def convert_to_fp16(src: Path, dst: Path, keep_ops: list[str] = (), keep_nodes: list[str] = ()) -> dict:
+    """`keep_ops` (op types) and `keep_nodes` (node names, export/fp16_guard.py's choice) stay fp32,
+    beside the converter's own default block list."""
     from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     from .onnx_io import check, external_files, save
@@ -66,12 +85,13 @@ def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_O
     # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
     del model.graph.value_info[:]
     rerouted = _route_outputs_through_identity(model)
-    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep_fp32_ops))
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(keep_ops))
+    copied = _unshare_initializers(model, set(keep_nodes), set(block)) if keep_nodes or keep_ops else 0
     if external:
         model = onnx.shape_inference.infer_shapes(model)  # initializers' dims and types, no data
         load_external_data_for_model(model, str(Path(src).parent))
     converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block,
-                                         disable_shape_infer=external)
+                                         node_block_list=list(keep_nodes), disable_shape_infer=external)
     casts = _retarget_float_casts(converted)
     del model
     save(converted, dst, external_data=external)
@@ -79,7 +99,9 @@ def convert_to_fp16(src: Path, dst: Path, keep_fp32_ops: list[str] = KEEP_FP32_O
     return {
         "converter": "onnxconverter_common.float16.convert_float_to_float16",
         "keep_io_types": True,
-        "kept_fp32_ops": sorted(keep_fp32_ops),
+        "kept_fp32_ops": sorted(keep_ops),
+        "kept_fp32_nodes": len(keep_nodes),
+        "initializers_copied_for_fp32_nodes": copied,
         "converter_default_block_list_applied": True,
         "outputs_routed_through_identity": len(rerouted),
         "casts_retargeted_to_fp16": casts,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from runtime.memory import reset_peak_rss
 
-from . import fp16, graphs, quantize, rewrite, sidecar, verify
+from . import fp16, fp16_guard, graphs, quantize, ranges, rewrite, sidecar, verify
+from .fp16_guard import Fp16Keep
 from .source import load_source
 
 
@@ -35,6 +36,8 @@ class ExportOptions:
     tgt_lang: str | None = None
     # Weights in external data files: None decides by size (graphs.EXTERNAL_DATA_BYTES); True forces it.
     external_data: bool | None = None
+    # What stays fp32 in the fp16 graphs (export/fp16_guard.py): measured by default.
+    fp16_keep: Fp16Keep = Fp16Keep()
 
     def __post_init__(self):
         if self.opset < 17:
@@ -46,7 +49,7 @@ class ExportOptions:
 class VerificationFailed(RuntimeError):
     def __init__(self, failures: list[str], kept: Path):
         self.failures, self.kept = failures, kept
-        super().__init__("fp32 verification failed:\n  " + "\n  ".join(failures) + f"\nthe rejected export is in {kept}")
+        super().__init__("verification failed:\n  " + "\n  ".join(failures) + f"\nthe rejected export is in {kept}")
 
 
 def _status_mb(field: str) -> float | None:
@@ -145,10 +148,18 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
 
         steps.run("export KV-cache encoder + decoder graphs", kv_pair)
 
+        # Calibration text for the fp16 guard and for verification's finiteness check.
+        calibration = ranges.calibration(
+            tokenizer, fp16_guard.calibration_text(verify.read_dev_sentences(options.sentences, 64)),
+            decoder_start=config.decoder_start_token_id, eos=config.eos_token_id,
+            forced_bos=generation["forced_bos_token_id"], max_source_tokens=shape["max_position_embeddings"])
+
         def to_fp16():
-            report = {}
-            for name in ("encoder", "decoder"):
-                report[name] = fp16.convert_to_fp16(tmp / f"{name}.onnx", tmp / f"{name}_fp16.onnx")
+            plan = fp16_guard.plan(tmp / "encoder.onnx", tmp / "decoder.onnx", options.fp16_keep, calibration,
+                                   options.threads)
+            report = {name: fp16.convert_to_fp16(tmp / f"{name}.onnx", tmp / f"{name}_fp16.onnx", plan["ops"], plan[name])
+                      for name in ("encoder", "decoder")}
+            report["decoder"]["guard"] = plan["record"]
             return report
 
         fp16_report = steps.run("convert KV-cache pair to fp16", to_fp16)
@@ -202,13 +213,13 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                 greedy_sentences,
                 options.verify_max_new_tokens,
                 options.threads,
+                calibration,
             )
             manifest["verification"] = result
             log(sidecar.summarize(result))
-            if not result["fp32_passed"]:
+            if not result["passed"]:
                 rejected = out.with_name(out.name + ".rejected")
                 shutil.rmtree(rejected, ignore_errors=True)
-                manifest["verification"]["fp32_passed"] = False
                 write_manifest()
                 tmp.rename(rejected)
                 raise VerificationFailed(result["failures"], rejected)

@@ -195,6 +195,7 @@ def write(folder: Path, data: dict, family) -> None:
 
 def summarize(result: dict) -> str:
     lines = [f"verification: fp32 {'PASSED' if result['fp32_passed'] else 'FAILED'} (tolerance {result['fp32_tolerance']:g})"]
+    lines += [f"  FAILED: {f}" for f in result["failures"]]
     for case in result["logits"]:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in case["max_abs_logit_diff"].items())
         lines.append(f"  max |Δlogit| on {case['case']}: {diffs}")

@@ -3,7 +3,9 @@
 Three levels, as in minGPT's HF import test: logits (max |Δ| per graph, on several source
 lengths, one >= 400 tokens, and a padded batch mixing short and long rows, padding masked before
 comparing), then greedy token ids through the real backends, then decoded text. fp32 graphs must
-pass; fp16 and int8 numbers are reported, not required. Failures are collected and reported together.
+pass; fp16 and int8 numbers are reported, not required, but they must be finite: every value of a
+low-precision graph is checked on calibration text, and the first node that computes NaN or Inf
+fails the export by name. Failures are collected and reported together.
 
 Nothing here runs a graph by hand: logits come from the backends' own step models (`encode`, then
 one `step` per decoder position, as the decoding loop calls them), greedy ids from
@@ -209,6 +211,44 @@ def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, t
     return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
 
 
+def low_precision_finite(export_dir: Path, calibration, threads) -> dict[str, dict | None]:
+    """Per approximate backend: the first value its graphs compute as NaN or Inf on the calibration
+    text (the node, its op and module, where), or None when every value stays finite."""
+    from backends import load_manifest
+
+    from .ranges import measure
+
+    manifest = load_manifest(export_dir)
+    found = {}
+    for spec in ENGINES.values():
+        if spec.exact:
+            continue
+        encoder, decoder = (manifest.verify_graph(g) for g in spec.graphs)
+        measured = measure(encoder, decoder, calibration, threads)
+        found[spec.name] = next(({"graph": Path(p).name, **r.first_nonfinite} for p, r in
+                                 ((encoder, measured["encoder"]), (decoder, measured["decoder"]))
+                                 if r.first_nonfinite), None)
+    return found
+
+
+def nonfinite_failure(name: str, where: dict) -> str:
+    step = "the encoder" if where.get("step") is None else f"decoder step {where['step']}"
+    module = f", module {where['module']}" if where.get("module") else ""
+    hint = " (--fp16-keep auto keeps overflowing nodes in fp32)" if "fp16" in name else ""
+    return (f"{name}: {where['graph']} computes {where['what']} first at node {where['node']} ({where['op']}{module}), "
+            f"calibration batch {where['batch']}, {step}{hint}")
+
+
+def low_precision_failures(logits: dict, nonfinite: dict[str, dict | None] | None) -> list[str]:
+    """A low-precision graph that computes NaN or Inf anywhere, or gives logits that are not finite."""
+    failures = [nonfinite_failure(name, where) for name, where in (nonfinite or {}).items() if where]
+    for case in logits["cases"]:
+        for name, diff in case["max_abs_logit_diff"].items():
+            if name in APPROXIMATE_KEYS and not np.isfinite(diff):
+                failures.append(f"{name}, {case['case']}: logits are not finite (max |Δlogit| {diff})")
+    return failures
+
+
 def judge(logits: dict, greedy: dict | None, model_decoding: dict | None = None) -> list[str]:
     """Every fp32 failure, with its numbers; an empty list means the export passes."""
     failures = []
@@ -249,9 +289,12 @@ def model_decoding_parity(export_dir: Path, sentences: list[str], max_new_tokens
     return {"options": options, **report}
 
 
-def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new_tokens, threads):
-    """Verify the export in `export_dir` (its provisional sidecar names the graphs) against `model`."""
+def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new_tokens, threads, calibration=None):
+    """Verify the export in `export_dir` (its provisional sidecar names the graphs) against `model`;
+    `calibration` (export/ranges.py): the text the low-precision graphs must stay finite on."""
     start = time.perf_counter()
+    nonfinite = None if calibration is None else low_precision_finite(export_dir, calibration, threads)
+    finite_s = time.perf_counter() - start
     logits = logits_parity(model, tokenizer, export_dir, sentences, threads)
     logits_s = time.perf_counter() - start
     # Greedy pins the graphs' step-by-step numbers; the model's own decoding (beam search with a
@@ -259,19 +302,23 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
     greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads, num_beams=1)
     own = model_decoding_parity(export_dir, greedy_sentences, max_new_tokens, threads)
     failures = judge(logits, greedy, own)
+    fp32_passed = not failures
+    failures += low_precision_failures(logits, nonfinite)
     approximate = {  # by precision: "fp16", "int8"
         spec.precision: {
             "max_abs_logit_diff": max(c["max_abs_logit_diff"][key] for c in logits["cases"]),
             "argmax_agreement_min": min(c["argmax_agreement"][key] for c in logits["cases"]),
             "greedy": greedy["backends"][spec.name],
             "model_decoding": None if own is None else own["backends"][spec.name],
+            "nonfinite": None if nonfinite is None else nonfinite.get(spec.name),
         }
         for key, spec in ENGINES.items()
         if not spec.exact
     }
     return {
         "fp32_tolerance": FP32_LOGITS_TOLERANCE,
-        "fp32_passed": not failures,
+        "fp32_passed": fp32_passed,
+        "passed": not failures,
         "failures": failures,
         "fp32_max_abs_logit_diff": max(
             d for c in logits["cases"] for n, d in c["max_abs_logit_diff"].items() if n not in APPROXIMATE_KEYS
@@ -280,5 +327,6 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
         "logits": logits["cases"],
         "greedy": greedy,
         "model_decoding": own,
-        "seconds": {"logits": round(logits_s, 1), "total": round(time.perf_counter() - start, 1)},
+        "seconds": {"finite": round(finite_s, 1), "logits": round(logits_s - finite_s, 1),
+                    "total": round(time.perf_counter() - start, 1)},
     }

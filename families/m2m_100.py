@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .bart import BART
 from .fairseq import FAIRSEQ_IDS, TINY, FairseqFixture
+from .overflow import OverflowFixture
 from .family import Family
 
 # transformers 5's tokenizers-backed classes read tokenizer.json, or build it from the sentencepiece
@@ -58,5 +59,7 @@ M2M100 = Family(
                     **FAIRSEQ_IDS},
             generation={"max_length": 200},
         ),
+        # `nllb-tiny` with its last decoder layer's feed-forward peaking past fp16's range: the fp16 guard's fixture.
+        "nllb-tiny-overflow": OverflowFixture("nllb-tiny"),
     },
 )

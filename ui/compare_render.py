@@ -73,8 +73,13 @@ def info_html(info: dict[str, Any]) -> str:
     return (
         f"<div class='panel-info'>ran on: {_e(info.get('runtime', ''))} · {_e(info.get('provider', ''))} · "
         f"{_e(info.get('precision', ''))} · {_e(info.get('threads', ''))} threads · "
-        f"graph: {_e(info.get('graph', ''))}{_provenance_html(info.get('source'))}</div>"
+        f"graph: {_e(info.get('graph', ''))}{_kept_html(info.get('kept_in_float'))}{_provenance_html(info.get('source'))}</div>"
     )
+
+
+def _kept_html(kept: str | None) -> str:
+    """What a low-precision graph computes in fp32 instead, as its export measured and recorded it."""
+    return f"<br>{_e(kept)}" if kept else ""
 
 
 def _provenance_html(source: dict | None) -> str:
