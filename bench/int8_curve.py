@@ -1,0 +1,170 @@
+"""python -m bench quality --int8-curve 0,1,2,4,8: what keeping int8's most sensitive nodes in fp32 buys.
+
+For each count N: int8 graphs made from the export's own fp32 encoder/decoder with the N most
+sensitive nodes (the sidecar's int8 ranking, or measured now by `export.int8_sensitivity` on the
+first sentences of the corpus) kept in fp32, then over the corpus: sentences whose token ids are
+identical to PyTorch's, greedy and at the model's beam count, BLEU against the references; and
+ms per generated token at batch 1. Timing: every variant loaded in one process, the speed sentences
+translated one at a time, variant after variant in round-robin rounds, the median round per variant;
+ratios to N = 0 (today's int8), which is what survives a shared machine. The PyTorch outputs are
+computed once and kept in --out, so a rerun with more counts does not recompute them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from backends import REFERENCE
+from corpus import Pair
+
+CALIBRATION_SENTENCES = 64
+
+
+def _ranking(manifest, tokenizer, pairs: list[Pair], threads: int, log) -> tuple[list[dict], str]:
+    """The sidecar's sensitivity ranking, else one measured now on the first corpus sentences."""
+    recorded = (manifest.data.get("int8") or {}).get("sensitivity")
+    if recorded:
+        return recorded["ranking"], "the export's sidecar"
+    from export.int8_sensitivity import calibration, measure
+
+    texts = [p.en for p in pairs[:CALIBRATION_SENTENCES]]
+    batch = tokenizer.encode(texts, manifest.max_source_tokens)
+    calib = calibration(batch.input_ids, batch.attention_mask, manifest.data["special_tokens"],
+                        manifest.data["generation"])
+    result = measure(manifest.root, manifest.data["model"], calib, threads=threads, log=log)
+    return [s.record() for s in result["ranking"]], f"measured now on the first {len(texts)} corpus sentences"
+
+
+def _variant(manifest, folder: Path, ranking: list[dict], n: int):
+    """A sidecar view whose int8 graphs keep ranking[:n] in fp32 (files in `folder`, checksummed)."""
+    from backends.manifest import sha256_file
+    from export.quantize import quantize_int8
+
+    data = json.loads(json.dumps(manifest.data))
+    for graph in ("encoder", "decoder"):
+        keep = {r["node"] for r in ranking[:n] if r["graph"] == graph}
+        path = folder / f"{graph}_int8.keep{n}.onnx"
+        quantize_int8(manifest.root / f"{graph}.onnx", path, keep=keep)
+        data["graphs"][f"{graph}_int8"]["file"] = str(path)  # absolute: root / path is path
+        data["files"][str(path)] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return dataclasses.replace(manifest, data=data)
+
+
+def _translate(backend, texts: list[str], batch_size: int, beams: int, max_new_tokens: int) -> list:
+    out = []
+    for i in range(0, len(texts), batch_size):
+        out += backend.translate(texts[i:i + batch_size], num_beams=beams, max_new_tokens=max_new_tokens, top_k=1,
+                                 output_scores=False)
+    return out
+
+
+def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...], threads: int = 1,
+        batch_size: int = 16, max_new_tokens: int = 256, speed_sentences: int = 30, rounds: int = 3,
+        log=print) -> dict:
+    from backends import load_backends, load_manifest
+    from backends.backend import Backend
+    from backends.ort_kv_cache import KVCacheStepModel
+    from backends.ort_session import SessionConfig
+    from service import metrics
+
+    if not counts or any(n < 0 for n in counts):
+        raise ValueError(f"--int8-curve needs counts >= 0 (e.g. 0,1,2,4,8), got {counts}")
+    counts = tuple(sorted(set(counts) | {0}))  # N = 0 is every ratio's base
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(export_dir)
+    beams = sorted({1, int(manifest.data["generation"].get("num_beams") or 1)})
+    session = SessionConfig(threads=threads, provider="cpu")
+    reference = load_backends(export_dir, (REFERENCE,), session)[REFERENCE]
+    texts = [p.en for p in pairs]
+    refs = [p.zh for p in pairs]
+    ranking, origin = _ranking(manifest, reference.tokenizer, pairs, threads, log)
+    results = {"kind": "int8_curve", "export": str(export_dir), "sentences": len(texts), "beams": beams,
+               "threads": threads, "batch_size": batch_size, "ranking_from": origin, "ranking": ranking, "rows": []}
+
+    expected = {}
+    for b in beams:
+        cache = out / f"reference-beams{b}.json"
+        key = {"export": str(export_dir), "texts": texts, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+        cached = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else None
+        if cached and cached["key"] == key:
+            expected[b] = cached["outputs"]
+        else:
+            log(f"{REFERENCE}, {b} beam(s), {len(texts)} sentences ...", flush=True)
+            outputs = _translate(reference, texts, batch_size, b, max_new_tokens)
+            expected[b] = [{"ids": t.token_ids, "text": t.text} for t in outputs]
+            cache.write_text(json.dumps({"key": key, "outputs": expected[b]}, ensure_ascii=False), encoding="utf-8")
+    base_bleu = {b: metrics.bleu_chrf([o["text"] for o in expected[b]], refs)["bleu"] for b in beams}
+    results["pytorch_bleu"] = base_bleu
+    reference.close()
+
+    with tempfile.TemporaryDirectory(prefix="int8-curve-") as tmp:
+        variants = {}
+        for n in counts:
+            view = _variant(manifest, Path(tmp), ranking, n)
+            model = KVCacheStepModel(view, session, "encoder_int8", "decoder_int8")
+            variants[n] = Backend(f"int8 keep {n}", model, reference.tokenizer, manifest, model.info)
+        for n, backend in variants.items():
+            row = {"kept": n, "kept_nodes": [f"{r['graph']} {r['module']}" for r in ranking[:n]]}
+            for b in beams:
+                start = time.perf_counter()
+                outputs = _translate(backend, texts, batch_size, b, max_new_tokens)
+                a = metrics.agreement([t.token_ids for t in outputs], [o["ids"] for o in expected[b]])
+                bleu = metrics.bleu_chrf([t.text for t in outputs], refs)["bleu"]
+                row[f"beams{b}"] = {"identical": a["identical"], "n": a["n"], "bleu": bleu,
+                                    "bleu_delta": round(bleu - base_bleu[b], 2),
+                                    "seconds": round(time.perf_counter() - start, 1)}
+                log(f"keep {n}, {b} beam(s): identical {a['identical']}/{a['n']}, BLEU {bleu} "
+                    f"(PyTorch {base_bleu[b]})", flush=True)
+            results["rows"].append(row)
+
+        speed = texts[:speed_sentences]
+        times: dict[int, list[float]] = {n: [] for n in variants}
+        tokens: dict[int, int] = {}
+        for backend in variants.values():  # warm-up, untimed
+            backend.translate(speed[:2], num_beams=1, top_k=1, output_scores=False)
+        for r in range(rounds):
+            for n, backend in variants.items():
+                total, count = 0.0, 0
+                for text in speed:
+                    (t,) = backend.translate([text], num_beams=1, max_new_tokens=max_new_tokens, top_k=1,
+                                             output_scores=False)
+                    total += t.timings_ms["total"]
+                    count += len(t.token_ids)
+                times[n].append(total / count)
+                tokens[n] = count
+            log(f"speed round {r + 1}/{rounds}: " + ", ".join(f"keep {n} {times[n][-1]:.2f} ms/token" for n in times),
+                flush=True)
+    base = statistics.median(times[0])
+    for row in results["rows"]:
+        ms = statistics.median(times[row["kept"]])
+        row["ms_per_token_batch1"] = round(ms, 3)
+        row["ratio_to_keep0"] = round(ms / base, 3)
+        row["speed_tokens"] = tokens[row["kept"]]
+    results["speed"] = {"sentences": len(speed), "rounds": rounds, "timed": "Backend.translate wall time per sentence "
+                        "(tokenize, encoder, every step, detokenize) at batch 1, greedy, summed over the sentences "
+                        "and divided by the tokens generated; median of the rounds"}
+    (out / "int8_curve.json").write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
+    (out / "int8_curve.md").write_text(table(results) + "\n", encoding="utf-8")
+    return results
+
+
+def table(results: dict) -> str:
+    """The curve as a markdown table: one row per count kept in fp32."""
+    beams = results["beams"]
+    head = ["kept in fp32", *[f"identical, {'greedy' if b == 1 else f'beam {b}'}" for b in beams],
+            *[f"BLEU Δ {'greedy' if b == 1 else f'beam {b}'}" for b in beams], "ms/token batch 1 (ratio)", "nodes added"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    previous = []
+    for row in results["rows"]:
+        added = row["kept_nodes"][len(previous):]
+        previous = row["kept_nodes"]
+        cells = [str(row["kept"]), *[f"{row[f'beams{b}']['identical']}/{row[f'beams{b}']['n']}" for b in beams],
+                 *[f"{row[f'beams{b}']['bleu_delta']:+.2f}" for b in beams],
+                 f"{row['ms_per_token_batch1']:.2f} ({row['ratio_to_keep0']:.2f}x)", ", ".join(added) or "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
