@@ -138,6 +138,7 @@ def int8_curve(args) -> int:
     results = curve.run(export_dir, pairs, out, args.int8_curve, threads=args.threads or 1,
                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                         speed_sentences=args.int8_speed_sentences, rounds=args.int8_speed_rounds,
+                        rescore=args.int8_rescore, auto=args.int8_auto,
                         log=lambda m, **_: print(m, flush=True))
     print(curve.table(results))
     print(f"wrote {out / 'int8_curve.json'}, {out / 'int8_curve.md'}")
@@ -297,6 +298,9 @@ def main(argv=None) -> int:
                     "to PyTorch greedy and at the model's beams, BLEU, ms/token at batch 1 (1 thread unless --threads)")
     qp.add_argument("--int8-speed-sentences", type=int, default=30, help="--int8-curve: sentences timed at batch 1")
     qp.add_argument("--int8-speed-rounds", type=int, default=3, help="--int8-curve: round-robin timing rounds")
+    qp.add_argument("--int8-auto", action="store_true", help="--int8-curve: also the choice --int8-keep auto makes")
+    qp.add_argument("--int8-rescore", type=int, default=0, metavar="K", help="--int8-curve: also each count with "
+                    "the output layer's K best logits re-scored in fp32 instead of the layer kept (0: not)")
     qp.add_argument("--out", type=Path, help="results folder; a rerun with the same --out resumes")
     qp.set_defaults(func=quality)
 

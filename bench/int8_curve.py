@@ -25,31 +25,44 @@ from corpus import Pair
 CALIBRATION_SENTENCES = 64
 
 
+def _calibration(manifest, tokenizer, pairs: list[Pair]):
+    from export.int8_sensitivity import calibration
+
+    batch = tokenizer.encode([p.en for p in pairs[:CALIBRATION_SENTENCES]], manifest.max_source_tokens)
+    return calibration(batch.input_ids, batch.attention_mask, manifest.data["special_tokens"],
+                       manifest.data["generation"])
+
+
 def _ranking(manifest, tokenizer, pairs: list[Pair], threads: int, log) -> tuple[list[dict], str]:
     """The sidecar's sensitivity ranking, else one measured now on the first corpus sentences."""
     recorded = (manifest.data.get("int8") or {}).get("sensitivity")
     if recorded:
         return recorded["ranking"], "the export's sidecar"
-    from export.int8_sensitivity import calibration, measure
+    from export.int8_sensitivity import measure
 
-    texts = [p.en for p in pairs[:CALIBRATION_SENTENCES]]
-    batch = tokenizer.encode(texts, manifest.max_source_tokens)
-    calib = calibration(batch.input_ids, batch.attention_mask, manifest.data["special_tokens"],
-                        manifest.data["generation"])
-    result = measure(manifest.root, manifest.data["model"], calib, threads=threads, log=log)
-    return [s.record() for s in result["ranking"]], f"measured now on the first {len(texts)} corpus sentences"
+    result = measure(manifest.root, manifest.data["model"], _calibration(manifest, tokenizer, pairs), threads=threads,
+                     log=log)
+    return [s.record() for s in result["ranking"]], f"measured now on the first {result['sentences']} corpus sentences"
 
 
-def _variant(manifest, folder: Path, ranking: list[dict], n: int):
-    """A sidecar view whose int8 graphs keep ranking[:n] in fp32 (files in `folder`, checksummed)."""
+def _auto_choice(manifest, tokenizer, pairs: list[Pair], threads: int, log) -> dict:
+    from export.int8_choice import choose
+
+    return choose(manifest.root, manifest.data["model"], _calibration(manifest, tokenizer, pairs), "auto",
+                  threads=threads, log=log)
+
+
+def _variant(manifest, folder: Path, kept: list[dict], tag: int, rescore: int):
+    """A sidecar view whose int8 graphs keep `kept` in fp32 and, with `rescore` K > 0, re-score
+    the output layer's K best logits exactly (files in `folder`, named by `tag`, checksummed)."""
     from backends.manifest import sha256_file
     from export.quantize import quantize_int8
 
     data = json.loads(json.dumps(manifest.data))
     for graph in ("encoder", "decoder"):
-        keep = {r["node"] for r in ranking[:n] if r["graph"] == graph}
-        path = folder / f"{graph}_int8.keep{n}.onnx"
-        quantize_int8(manifest.root / f"{graph}.onnx", path, keep=keep)
+        keep = {r["node"] for r in kept if r["graph"] == graph}
+        path = folder / f"{graph}_int8.variant{tag}.onnx"
+        quantize_int8(manifest.root / f"{graph}.onnx", path, keep=keep, rescore=rescore if graph == "decoder" else 0)
         data["graphs"][f"{graph}_int8"]["file"] = str(path)  # absolute: root / path is path
         data["files"][str(path)] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return dataclasses.replace(manifest, data=data)
@@ -65,7 +78,10 @@ def _translate(backend, texts: list[str], batch_size: int, beams: int, max_new_t
 
 def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...], threads: int = 1,
         batch_size: int = 16, max_new_tokens: int = 256, speed_sentences: int = 30, rounds: int = 3,
-        log=print) -> dict:
+        rescore: int = 0, auto: bool = False, log=print) -> dict:
+    """`rescore` K > 0: also, for each count, the output layer re-scored on its K best logits
+    (export/int8_rescore.py) instead of kept, the other nodes kept by the ranking without it.
+    `auto`: also the variant `--int8-keep auto` would export (export/int8_choice.py)."""
     from backends import load_backends, load_manifest
     from backends.backend import Backend
     from backends.ort_kv_cache import KVCacheStepModel
@@ -102,14 +118,26 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
     results["pytorch_bleu"] = base_bleu
     reference.close()
 
+    import onnx
+    from export.int8_rescore import output_layer
+
+    head = output_layer(onnx.load(str(manifest.root / "decoder.onnx"), load_external_data=False)).name
+    without_head = [r for r in ranking if not (r["graph"] == "decoder" and r["node"] == head)]
+    configs = [(str(n), ranking[:n], 0) for n in counts]
+    configs += [(f"{n} + re-score top {rescore}", without_head[:n], rescore) for n in counts] if rescore else []
+    if auto:
+        choice = _auto_choice(manifest, reference.tokenizer, pairs, threads, log)
+        configs.append((f"auto ({len(choice['kept'])}" + (f" + re-score top {choice['rescore']})" if choice["rescore"]
+                                                          else ")"), choice["kept"], choice["rescore"]))
+        results["auto"] = {k: choice[k] for k in ("rule", "rescore")} | {"tried": choice["sensitivity"]["auto"]["tried"]}
     with tempfile.TemporaryDirectory(prefix="int8-curve-") as tmp:
         variants = {}
-        for n in counts:
-            view = _variant(manifest, Path(tmp), ranking, n)
+        for i, (label, kept, k) in enumerate(configs):
+            view = _variant(manifest, Path(tmp), kept, i, k)
             model = KVCacheStepModel(view, session, "encoder_int8", "decoder_int8")
-            variants[n] = Backend(f"int8 keep {n}", model, reference.tokenizer, manifest, model.info)
-        for n, backend in variants.items():
-            row = {"kept": n, "kept_nodes": [f"{r['graph']} {r['module']}" for r in ranking[:n]]}
+            variants[label] = (Backend(f"int8 keep {label}", model, reference.tokenizer, manifest, model.info), kept)
+        for label, (backend, kept) in variants.items():
+            row = {"kept": label, "kept_nodes": [f"{r['graph']} {r['module']}" for r in kept]}
             for b in beams:
                 start = time.perf_counter()
                 outputs = _translate(backend, texts, batch_size, b, max_new_tokens)
@@ -118,28 +146,28 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
                 row[f"beams{b}"] = {"identical": a["identical"], "n": a["n"], "bleu": bleu,
                                     "bleu_delta": round(bleu - base_bleu[b], 2),
                                     "seconds": round(time.perf_counter() - start, 1)}
-                log(f"keep {n}, {b} beam(s): identical {a['identical']}/{a['n']}, BLEU {bleu} "
+                log(f"keep {label}, {b} beam(s): identical {a['identical']}/{a['n']}, BLEU {bleu} "
                     f"(PyTorch {base_bleu[b]})", flush=True)
             results["rows"].append(row)
 
         speed = texts[:speed_sentences]
-        times: dict[int, list[float]] = {n: [] for n in variants}
-        tokens: dict[int, int] = {}
-        for backend in variants.values():  # warm-up, untimed
+        times: dict[str, list[float]] = {label: [] for label in variants}
+        tokens: dict[str, int] = {}
+        for backend, _ in variants.values():  # warm-up, untimed
             backend.translate(speed[:2], num_beams=1, top_k=1, output_scores=False)
         for r in range(rounds):
-            for n, backend in variants.items():
+            for label, (backend, _) in variants.items():
                 total, count = 0.0, 0
                 for text in speed:
                     (t,) = backend.translate([text], num_beams=1, max_new_tokens=max_new_tokens, top_k=1,
                                              output_scores=False)
                     total += t.timings_ms["total"]
                     count += len(t.token_ids)
-                times[n].append(total / count)
-                tokens[n] = count
-            log(f"speed round {r + 1}/{rounds}: " + ", ".join(f"keep {n} {times[n][-1]:.2f} ms/token" for n in times),
-                flush=True)
-    base = statistics.median(times[0])
+                times[label].append(total / count)
+                tokens[label] = count
+            log(f"speed round {r + 1}/{rounds}: " + ", ".join(f"keep {label}: {times[label][-1]:.2f} ms/token"
+                                                                for label in times), flush=True)
+    base = statistics.median(times["0"])
     for row in results["rows"]:
         ms = statistics.median(times[row["kept"]])
         row["ms_per_token_batch1"] = round(ms, 3)
@@ -154,17 +182,14 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
 
 
 def table(results: dict) -> str:
-    """The curve as a markdown table: one row per count kept in fp32."""
+    """The curve as a markdown table: one row per choice of nodes kept in fp32."""
     beams = results["beams"]
     head = ["kept in fp32", *[f"identical, {'greedy' if b == 1 else f'beam {b}'}" for b in beams],
-            *[f"BLEU Δ {'greedy' if b == 1 else f'beam {b}'}" for b in beams], "ms/token batch 1 (ratio)", "nodes added"]
+            *[f"BLEU Δ {'greedy' if b == 1 else f'beam {b}'}" for b in beams], "ms/token batch 1 (ratio)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    previous = []
     for row in results["rows"]:
-        added = row["kept_nodes"][len(previous):]
-        previous = row["kept_nodes"]
-        cells = [str(row["kept"]), *[f"{row[f'beams{b}']['identical']}/{row[f'beams{b}']['n']}" for b in beams],
+        cells = [row["kept"], *[f"{row[f'beams{b}']['identical']}/{row[f'beams{b}']['n']}" for b in beams],
                  *[f"{row[f'beams{b}']['bleu_delta']:+.2f}" for b in beams],
-                 f"{row['ms_per_token_batch1']:.2f} ({row['ratio_to_keep0']:.2f}x)", ", ".join(added) or "–"]
+                 f"{row['ms_per_token_batch1']:.2f} ({row['ratio_to_keep0']:.2f}x)"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

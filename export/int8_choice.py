@@ -2,15 +2,17 @@
 
 - none: every MatMul and embedding int8 (the graph int8 always had).
 - N: the N most sensitive nodes (`int8_sensitivity.measure`'s ranking) stay in fp32.
-- auto: the smallest prefix of the ranking whose int8 graph gives fp32's greedy output on at least
-  AUTO_TARGET of the calibration sentences (a sentence counts when teacher forcing fp32's output
-  flips no argmax, which is exactly "its raw greedy output is fp32's"), without keeping more fp32
-  MatMul weights than AUTO_MAX_FP32_SHARE of the quantized ones; the speed rule is a weight budget
-  because at batch 1 a step's time follows the weight bytes it reads, and a budget is the same on
-  every run where a timing at export would be noise on a shared machine. Embedding Gathers read one
-  row per token and cost no speed, so they do not count against it. When no prefix within the
-  budget reaches the target, auto keeps the largest prefix that fits and the sidecar says the
-  target was not reached.
+- auto: sensitivity per unit of per-token cost. A decoding step reads the decoder graph's weights
+  once per generated token; the encoder graph (cross-attention K/V projections included) runs once
+  per sentence and an embedding Gather reads one row per token, so keeping those in fp32 costs
+  little per token, and auto keeps every one of them that measurably helps (margin error removed
+  > 0). The output layer, the largest per-step weight, is not kept but re-scored: its K best
+  logits recomputed in fp32 (`int8_rescore.py`). Then decoder-step MatMuls join in ranking order
+  while the calibration sentences whose greedy output is fp32's (no argmax flipped under teacher
+  forcing, which is exactly "its raw greedy output is fp32's") stay under AUTO_TARGET, within
+  AUTO_STEP_BUDGET of the decoder-step MatMul weights (fp32 reads four bytes where int8 reads
+  one; a budget stays the same on every run, where a timing taken during an export would be noise
+  on a shared machine). The sidecar says whether the target was reached.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import onnx
+
 from . import int8_sensitivity
+from .int8_rescore import DEFAULT_TOP, output_layer
 
 CHOICES = "auto, none, or a count N >= 0"
 CALIBRATION_SENTENCES = 64
 AUTO_TARGET = 0.95
-AUTO_MAX_FP32_SHARE = 0.30
+AUTO_STEP_BUDGET = 0.10
 
 
 def parse_keep(value: str | int) -> str | int:
@@ -44,62 +49,74 @@ def calibration(tokenizer, config, generation: dict, sentences: list[str]) -> in
     return int8_sensitivity.calibration(batch["input_ids"], batch["attention_mask"], special, generation)
 
 
-def _prefixes(ranking: list[int8_sensitivity.Sensitivity], budget: float) -> list[int]:
-    """Counts worth trying for auto, in order: every prefix length within the weight budget at which
-    a MatMul joins (a Gather alone changes no speed, so it rides along with the next count)."""
-    counts, weights = [], 0
-    for n, s in enumerate(ranking, start=1):
-        if s.item.op == "MatMul":
-            weights += s.item.parameters
-        if weights > budget:
-            break
-        counts.append(n)
-    return counts
+def per_step(s: int8_sensitivity.Sensitivity) -> bool:
+    """Whether int8 -> fp32 for this node costs weight reads at every decoding step."""
+    return s.item.graph == "decoder" and s.item.op == "MatMul"
 
 
-def choose(folder: Path, shape: dict, calib: int8_sensitivity.Calibration, keep: str | int,
+def _auto(folder: Path, shape: dict, calib, measured: dict, threads, log) -> tuple[list, int, dict]:
+    ranking, sentences = measured["ranking"], measured["sentences"]
+    head = output_layer(onnx.load(str(folder / "decoder.onnx"), load_external_data=False)).name
+    is_head = [s.item.graph == "decoder" and s.item.node == head for s in ranking]
+    rescore = DEFAULT_TOP if any(h and s.margin_error_removed > 0 for s, h in zip(ranking, is_head)) else 0
+    kept = [s for s, h in zip(ranking, is_head) if not h and not per_step(s) and s.margin_error_removed > 0]
+    steps = [s for s, h in zip(ranking, is_head) if not h and per_step(s) and s.margin_error_removed > 0]
+    budget = AUTO_STEP_BUDGET * sum(s.item.parameters for s in ranking if per_step(s))
+    need = AUTO_TARGET * sentences
+    tried = []
+    with tempfile.TemporaryDirectory(prefix="int8-auto-") as tmp:
+        def score(nodes):
+            result = int8_sensitivity.score_kept(folder, Path(tmp), shape, calib, nodes, threads, rescore=rescore)
+            tried.append({"kept": len(nodes), "per_step_kept": sum(map(per_step, nodes)), **result})
+            log(f"  int8 auto: {len(nodes)} kept in fp32 ({sum(map(per_step, nodes))} per step), output layer "
+                f"{'re-scored' if rescore else 'int8'} -> {result['identical_sentences']}/{sentences} calibration "
+                "sentences identical", flush=True)
+            return result["identical_sentences"] >= need
+
+        reached = score(kept)
+        spent = 0
+        for s in steps:
+            if reached or spent + s.item.parameters > budget:
+                break
+            spent += s.item.parameters
+            kept = [*kept, s]
+            reached = score(kept)
+    rule = (f"auto: the once-per-sentence nodes (encoder graph, embeddings) that measurably help, the output layer "
+            f"re-scored on its {rescore} best logits, then decoder-step MatMuls by sensitivity until fp32's greedy "
+            f"output on >= {AUTO_TARGET:.0%} of {sentences} calibration sentences, within {AUTO_STEP_BUDGET:.0%} "
+            f"of the decoder-step weights; target {'reached' if reached else 'NOT reached'}")
+    return kept, rescore, {"rule": rule, "reached": reached, "tried": tried}
+
+
+def choose(folder: Path, shape: dict, calib: int8_sensitivity.Calibration | None, keep: str | int,
            threads: int | None = 1, log=print) -> dict:
-    """The sidecar's int8 choice: {"option", "kept": [...], "sensitivity": {...}, "rule"}; empty `kept`
-    for none (nothing is measured)."""
+    """The sidecar's int8 choice: {"option", "rule", "kept": [...], "rescore": K or 0, "sensitivity"};
+    for none and 0 nothing is measured (`calib` may be None)."""
     keep = parse_keep(keep)
     if keep == "none" or keep == 0:
-        return {"option": str(keep), "kept": [], "sensitivity": None,
-                "rule": "none: every MatMul and embedding in int8" if keep == "none" else "N = 0 asked"}
+        return {"option": str(keep), "kept": [], "rescore": 0, "sensitivity": None,
+                "rule": "none: every MatMul and embedding in int8" if keep == "none" else "N = 0: nothing kept"}
     measured = int8_sensitivity.measure(folder, shape, calib, threads=threads, log=log)
     ranking = measured["ranking"]
-    sentences = measured["sentences"]
     section = {"method": "leave one out, teacher-forced on fp32's greedy output (export/int8_sensitivity.py)",
-               "sentences": sentences, "positions": measured["positions"], "all_int8": measured["baseline"],
-               "seconds": measured["seconds"], "ranking": [s.record() for s in ranking]}
+               "sentences": measured["sentences"], "positions": measured["positions"],
+               "all_int8": measured["baseline"], "seconds": measured["seconds"],
+               "ranking": [s.record() for s in ranking]}
     if keep == "auto":
-        total = sum(s.item.parameters for s in ranking if s.item.op == "MatMul")
-        need = AUTO_TARGET * sentences
-        chosen, reached, tried = 0, measured["baseline"]["identical_sentences"] >= need, []
-        if not reached:
-            with tempfile.TemporaryDirectory(prefix="int8-auto-", dir=folder) as tmp:
-                for n in _prefixes(ranking, AUTO_MAX_FP32_SHARE * total):
-                    score = int8_sensitivity.score_kept(folder, Path(tmp), shape, calib, ranking[:n], threads)
-                    tried.append({"kept": n, **score})
-                    log(f"  int8 auto: {n} kept in fp32 -> {score['identical_sentences']}/{sentences} calibration "
-                        "sentences identical", flush=True)
-                    chosen = n
-                    if score["identical_sentences"] >= need:
-                        reached = True
-                        break
-        rule = (f"auto: the fewest most-sensitive nodes giving fp32's greedy output on >= {AUTO_TARGET:.0%} of "
-                f"{sentences} calibration sentences, fp32 MatMul weights <= {AUTO_MAX_FP32_SHARE:.0%} of the "
-                f"quantized ones; target {'reached' if reached else 'NOT reached within the budget'}")
-        section["auto_tried"] = tried
+        chosen, rescore, outcome = _auto(Path(folder), shape, calib, measured, threads, log)
+        section["auto"] = outcome
+        rule = outcome["rule"]
     else:
-        chosen = min(keep, len(ranking))
-        rule = f"N = {keep}: the {chosen} most sensitive nodes" + ("" if chosen == keep else " (all there are)")
-    why = ("among the {n} most sensitive of {total} by margin error removed on the calibration text"
-           .format(n=chosen, total=len(ranking)))
-    kept = [{**s.record(), "why": why} for s in ranking[:chosen]]
-    return {"option": str(keep), "kept": kept, "sensitivity": section, "rule": rule}
+        chosen, rescore = ranking[:keep], 0
+        rule = f"N = {keep}: the {len(chosen)} most sensitive nodes" + ("" if len(chosen) == keep else " (all there are)")
+    position = {s.item.key: i + 1 for i, s in enumerate(ranking)}
+    kept = [{**s.record(), "rank": position[s.item.key],
+             "why": (f"rank {position[s.item.key]} of {len(ranking)} by margin error removed on the calibration text"
+                     + ("" if per_step(s) else "; runs once per sentence or reads one row per token"))}
+            for s in chosen]
+    return {"option": str(keep), "rule": rule, "kept": kept, "rescore": rescore, "sensitivity": section}
 
 
 def keep_sets(choice: dict) -> dict[str, set[str]]:
     """{"encoder": node names, "decoder": node names} to pass to quantize.quantize_int8."""
     return {g: {k["node"] for k in choice["kept"] if k["graph"] == g} for g in ("encoder", "decoder")}
-

@@ -149,7 +149,7 @@ def measure(folder: Path, shape: dict, calib: Calibration, threads: int | None =
     src = {g: folder / f"{g}.onnx" for g in ("encoder", "decoder")}
     items = [i for g in ("encoder", "decoder") for i in quantize.quantizable(g, onnx.load(str(src[g]), load_external_data=False))]
     ref = _reference(_engine(src["encoder"], src["decoder"], shape, threads), calib)
-    with tempfile.TemporaryDirectory(prefix="int8-sensitivity-", dir=folder) as tmp:
+    with tempfile.TemporaryDirectory(prefix="int8-sensitivity-") as tmp:
         tmp = Path(tmp)
         base = {g: tmp / f"{g}_int8.onnx" for g in src}
         for g in src:
@@ -173,12 +173,14 @@ def measure(folder: Path, shape: dict, calib: Calibration, threads: int | None =
 
 
 def score_kept(folder: Path, scratch: Path, shape: dict, calib: Calibration, kept: list[Sensitivity],
-               threads: int | None = 1) -> dict:
-    """The calibration figures of the int8 pair with `kept` in fp32 (graphs written to `scratch`)."""
+               threads: int | None = 1, rescore: int = 0) -> dict:
+    """The calibration figures of the int8 pair with `kept` in fp32 and, with `rescore` K > 0, the
+    output layer's K best logits re-scored (graphs written to `scratch`)."""
     folder = Path(folder)
     ref = _reference(_engine(folder / "encoder.onnx", folder / "decoder.onnx", shape, threads), calib)
     pair = {}
     for g in ("encoder", "decoder"):
         pair[g] = Path(scratch) / f"{g}_int8.kept.onnx"
-        quantize.quantize_int8(folder / f"{g}.onnx", pair[g], keep={s.item.node for s in kept if s.item.graph == g})
+        quantize.quantize_int8(folder / f"{g}.onnx", pair[g], keep={s.item.node for s in kept if s.item.graph == g},
+                               rescore=rescore if g == "decoder" else 0)
     return _score(_engine(pair["encoder"], pair["decoder"], shape, threads), calib, ref)

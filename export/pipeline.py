@@ -179,7 +179,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                     options.sentences, int8_choice.CALIBRATION_SENTENCES))
             choice = int8_choice.choose(tmp, shape, calib, options.int8_keep, threads=options.threads, log=log)
             keep = int8_choice.keep_sets(choice)
-            reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx", keep=keep[name])
+            reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx", keep=keep[name],
+                                                    rescore=choice["rescore"] if name == "decoder" else 0)
                        for name in ("encoder", "decoder")}
             return {**reports["decoder"], "gathers": {name: r["gathers"] for name, r in reports.items()},
                     "keep_option": choice["option"], "keep_rule": choice["rule"], "kept_in_fp32": choice["kept"],

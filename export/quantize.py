@@ -67,8 +67,10 @@ def quantizable(graph: str, model: onnx.ModelProto) -> list[Item]:
     return items
 
 
-def quantize_int8(src: Path, dst: Path, keep: Collection[str] = ()) -> dict:
-    """`keep`: names of `src`'s MatMul and Gather nodes left in fp32 (an unknown name raises)."""
+def quantize_int8(src: Path, dst: Path, keep: Collection[str] = (), rescore: int = 0) -> dict:
+    """`keep`: names of `src`'s MatMul and Gather nodes left in fp32 (an unknown name raises).
+    `rescore`: K > 0 recomputes the int8 output layer's K best logits in fp32 (export/int8_rescore.py);
+    only for a graph with a `logits` output."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from .onnx_io import check, external_files, save
@@ -97,6 +99,11 @@ def quantize_int8(src: Path, dst: Path, keep: Collection[str] = ()) -> dict:
     # The quantizer's nodes get the metadata of the MatMuls they replace (service/locate.py reads it).
     rewrite.copy_scope_metadata(source, model)
     gathers = rewrite.quantize_gathers(model, keep={k for k in keep if ops[k] == "Gather"})
+    rescored = None
+    if rescore:
+        from .int8_rescore import rescore_top
+
+        rescored = rescore_top(model, onnx.load(str(src)), rescore)
     save(model, dst, external_data=external)
     check(dst)
     return {
@@ -107,4 +114,5 @@ def quantize_int8(src: Path, dst: Path, keep: Collection[str] = ()) -> dict:
         "embeddings": "int8, one scale per token; tied with the output layer's int8 weight where it has one",
         "gathers": gathers["gathers"],
         "kept_fp32": "attention (MultiHeadAttention: its products are of two activations), LayerNorm",
+        **({"output_layer_rescored": rescored} if rescored else {}),
     }

@@ -124,3 +124,27 @@ def test_export_with_int8_keep_records_the_kept_nodes(tiny_model_dir):
         assert inits[k["weight"]].data_type == onnx.TensorProto.FLOAT
     json.dumps(section)  # the sidecar holds plain JSON
     assert np.isfinite(section["sensitivity"]["all_int8"]["margin_error"])
+
+
+def test_rescored_output_layer_gives_exact_top_logits(tiny_export_dir, tmp_path):
+    """Every other node kept in fp32, so the hidden state is fp32's: the K best logits of the int8
+    output layer, re-scored, are fp32's own; the rest stay int8 (different)."""
+    from export.int8_rescore import output_layer
+    from export.int8_sensitivity import _engine
+
+    manifest, calib = _calibration(tiny_export_dir)
+    decoder = onnx.load(str(tiny_export_dir / "decoder.onnx"), load_external_data=False)
+    head = output_layer(decoder).name
+    others = {i.node for i in quantize.quantizable("decoder", decoder) if i.node != head}
+    dst = tmp_path / "decoder_int8.onnx"
+    report = quantize.quantize_int8(tiny_export_dir / "decoder.onnx", dst, keep=others, rescore=4)
+    assert report["output_layer_rescored"]["top"] == 4
+    shape, enc = manifest.data["model"], tiny_export_dir / "encoder.onnx"
+    exact, rescored = _engine(enc, tiny_export_dir / "decoder.onnx", shape, 1), _engine(enc, dst, shape, 1)
+    ids = np.full((calib.input_ids.shape[0], 1), calib.prefix[0], dtype=np.int64)
+    a = exact.step(exact.encode(calib.input_ids, calib.attention_mask), ids).copy()
+    b = rescored.step(rescored.encode(calib.input_ids, calib.attention_mask), ids).copy()
+    top = np.argsort(-b, axis=1)[:, :4]
+    np.testing.assert_allclose(np.take_along_axis(b, top, 1), np.take_along_axis(a, top, 1), rtol=0, atol=1e-5)
+    assert np.array_equal(a.argmax(1), b.argmax(1))
+    assert np.abs(a - b).max() > 1e-3  # the other logits are the int8 layer's
