@@ -5,7 +5,8 @@ sensitive nodes (the sidecar's int8 ranking, or measured now by `export.int8_sen
 first sentences of the corpus) kept in fp32, then over the corpus: sentences whose token ids are
 identical to PyTorch's, greedy and at the model's beam count, BLEU against the references; and
 ms per generated token at batch 1. Timing: every variant loaded in one process, the speed sentences
-translated one at a time, variant after variant in round-robin rounds, the median round per variant;
+translated one at a time, variant after variant in round-robin rounds (each round starting with the
+next variant, so none always runs first), the median round per variant;
 ratios to N = 0 (today's int8), which is what survives a shared machine. The PyTorch outputs are
 computed once and kept in --out, so a rerun with more counts does not recompute them.
 """
@@ -155,8 +156,10 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
         tokens: dict[str, int] = {}
         for backend, _ in variants.values():  # warm-up, untimed
             backend.translate(speed[:2], num_beams=1, top_k=1, output_scores=False)
+        labels = list(variants)
         for r in range(rounds):
-            for label, (backend, _) in variants.items():
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # each round starts one later
+                backend = variants[label][0]
                 total, count = 0.0, 0
                 for text in speed:
                     (t,) = backend.translate([text], num_beams=1, max_new_tokens=max_new_tokens, top_k=1,
