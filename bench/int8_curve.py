@@ -144,7 +144,9 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
                 outputs = _translate(backend, texts, batch_size, b, max_new_tokens)
                 a = metrics.agreement([t.token_ids for t in outputs], [o["ids"] for o in expected[b]])
                 bleu = metrics.bleu_chrf([t.text for t in outputs], refs)["bleu"]
+                held_out = a["first_divergence_steps"][CALIBRATION_SENTENCES:]  # past the ranking's calibration text
                 row[f"beams{b}"] = {"identical": a["identical"], "n": a["n"], "bleu": bleu,
+                                    "identical_held_out": sum(d is None for d in held_out), "held_out": len(held_out),
                                     "bleu_delta": round(bleu - base_bleu[b], 2),
                                     "seconds": round(time.perf_counter() - start, 1)}
                 log(f"keep {label}, {b} beam(s): identical {a['identical']}/{a['n']}, BLEU {bleu} "

@@ -109,9 +109,9 @@ def _reference(engine, calib: Calibration) -> Reference:
     return Reference(ids[:, :-1], np.stack(valid, 1), np.stack(tops, 1), np.stack(margins, 1))
 
 
-def _score(engine, calib: Calibration, ref: Reference, state=None) -> dict:
+def _score(engine, calib: Calibration, ref: Reference) -> dict:
     """Teacher-force fp32's output through `engine`: flips and mean margin error on the valid positions."""
-    state = engine.encode(calib.input_ids, calib.attention_mask) if state is None else state
+    state = engine.encode(calib.input_ids, calib.attention_mask)
     flips, error = 0, 0.0
     flipped = np.zeros(ref.ids.shape[0], dtype=bool)
     for t in range(ref.ids.shape[1]):

@@ -5,6 +5,7 @@ On the tiny fixture's fp32 graphs (4 calibration sentences); the export with --i
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -99,7 +100,7 @@ def test_int8_keep_values_are_normalised_once():
     assert [ExportOptions(out="x", int8_keep=v).int8_keep for v in ("AUTO", " none", "3", 2)] == ["auto", "none", "3", "2"]
 
 
-def _make_kept(folder, tiny_model_dir):
+def _make_kept(tiny_model_dir, folder):
     from export.pipeline import ExportOptions, export
 
     export(str(tiny_model_dir), ExportOptions(out=folder / "tiny", threads=1, int8_keep="2", verify=False), log=quiet)
@@ -107,7 +108,7 @@ def _make_kept(folder, tiny_model_dir):
 
 @pytest.mark.slow
 def test_export_with_int8_keep_records_the_kept_nodes(tiny_model_dir):
-    out = cached("tiny-int8-keep2", _make_kept, tiny_model_dir) / "tiny"
+    out = cached("tiny-int8-keep2", functools.partial(_make_kept, tiny_model_dir)) / "tiny"
     manifest = load_manifest(out)
     section = manifest.data["int8"]
     assert section["keep_option"] == "2"
@@ -148,3 +149,22 @@ def test_rescored_output_layer_gives_exact_top_logits(tiny_export_dir, tmp_path)
     np.testing.assert_allclose(np.take_along_axis(b, top, 1), np.take_along_axis(a, top, 1), rtol=0, atol=1e-5)
     assert np.array_equal(a.argmax(1), b.argmax(1))
     assert np.abs(a - b).max() > 1e-3  # the other logits are the int8 layer's
+
+
+def test_int8_curve_every_node_kept_is_pytorch_again(tiny_export_dir, tmp_path):
+    """bench quality --int8-curve on 6 sentences: with every node kept in fp32 the int8 graphs are the
+    fp32 ones, identical to PyTorch; N = 0 (the ratios' base) is added; the table has every row."""
+    from bench.int8_curve import run, table
+    from corpus import dev_pairs
+
+    decoder = onnx.load(str(tiny_export_dir / "decoder.onnx"), load_external_data=False)
+    encoder = onnx.load(str(tiny_export_dir / "encoder.onnx"), load_external_data=False)
+    every = len(quantize.quantizable("encoder", encoder)) + len(quantize.quantizable("decoder", decoder))
+    results = run(tiny_export_dir, dev_pairs(6), tmp_path, (every,), max_new_tokens=12, speed_sentences=2, rounds=1,
+                  log=quiet)
+    rows = {row["kept"]: row for row in results["rows"]}
+    assert list(rows) == ["0", str(every)]
+    for b in results["beams"]:
+        assert rows[str(every)][f"beams{b}"]["identical"] == 6
+    assert rows["0"]["ratio_to_keep0"] == 1.0 and rows[str(every)]["ms_per_token_batch1"] > 0
+    assert len(table(results).splitlines()) == 2 + len(rows)
