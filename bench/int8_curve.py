@@ -47,10 +47,16 @@ def _ranking(manifest, tokenizer, pairs: list[Pair], threads: int, log) -> tuple
 
 
 def _auto_choice(manifest, tokenizer, pairs: list[Pair], threads: int, log) -> dict:
+    """{"kept", "rescore", "rule", "tried"}: the export's own when it was made with --int8-keep auto."""
+    section = manifest.data.get("int8") or {}
+    if section.get("keep_option") == "auto":
+        return {"kept": section["kept_in_fp32"], "rescore": (section.get("output_layer_rescored") or {}).get("top", 0),
+                "rule": section["keep_rule"], "tried": section["sensitivity"]["auto"]["tried"]}
     from export.int8_choice import choose
 
-    return choose(manifest.root, manifest.data["model"], _calibration(manifest, tokenizer, pairs), "auto",
-                  threads=threads, log=log)
+    choice = choose(manifest.root, manifest.data["model"], _calibration(manifest, tokenizer, pairs), "auto",
+                    threads=threads, log=log)
+    return {**{k: choice[k] for k in ("kept", "rescore", "rule")}, "tried": choice["sensitivity"]["auto"]["tried"]}
 
 
 def _variant(manifest, folder: Path, kept: list[dict], tag: int, rescore: int):
@@ -130,7 +136,7 @@ def run(export_dir: Path, pairs: list[Pair], out: Path, counts: tuple[int, ...],
         choice = _auto_choice(manifest, reference.tokenizer, pairs, threads, log)
         configs.append((f"auto ({len(choice['kept'])}" + (f" + re-score top {choice['rescore']})" if choice["rescore"]
                                                           else ")"), choice["kept"], choice["rescore"]))
-        results["auto"] = {k: choice[k] for k in ("rule", "rescore")} | {"tried": choice["sensitivity"]["auto"]["tried"]}
+        results["auto"] = {k: choice[k] for k in ("rule", "rescore", "tried")}
     with tempfile.TemporaryDirectory(prefix="int8-curve-") as tmp:
         variants = {}
         for i, (label, kept, k) in enumerate(configs):
