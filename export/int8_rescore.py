@@ -8,13 +8,15 @@ tokens, and written back in place:
 
     logits = MatMul_int8(h, W)                      # (b, 1, V)
     _, top = TopK(logits, K)                        # (b, 1, K)
-    exact = Gather(W, top) @ h                      # (b, 1, K): K x d multiply-adds per row
+    exact = Gather(W_rows, top) @ h                 # (b, 1, K): K x d multiply-adds per row
     logits = ScatterElements(logits, top, exact)    # the K best exact, the rest int8
 
 A token outside the int8 top K cannot win unless its exact logit beats all K exact ones, which the
 int8 error (a small fraction of the gap to the K-th logit) does not allow for a K well above the
-beam width. The cost is one TopK over the vocabulary and K x d multiply-adds per row, plus the fp32
-table (d x V) in the graph: the one a tied embedding kept in fp32 already reads, else one more copy.
+beam width. The cost is one TopK over the vocabulary and K x d multiply-adds per row, plus one
+fp32 copy of the table in the graph, stored (V, d) so that a candidate's weights are one contiguous
+row: gathering K columns of the (d, V) table an fp32 embedding may already read is slower than the
+whole re-scoring otherwise costs.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAUL
     producers = {o: n for n in graph.node for o in n.output}
     if out not in producers:
         raise RewriteError(f"the int8 graph has no {out!r} to re-score")
-    if not any(i.name == weight for i in graph.initializer):  # int8 kept no fp32 copy (an embedding may have)
-        graph.initializer.append(next(i for i in source.graph.initializer if i.name == weight))  # (d, V)
+    table = next(i for i in source.graph.initializer if i.name == weight)
+    w = numpy_helper.to_array(table)  # (d, V)
+    rows = f"{weight}.rows_fp32"
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), rows))  # (V, d)
     graph.initializer.extend([
         numpy_helper.from_array(np.array([k], dtype=np.int64), f"{out}.k"),
         numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{out}.last"),
@@ -63,8 +67,7 @@ def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAUL
     last.output[list(last.output).index(out)] = approx
     nodes = [
         helper.make_node("TopK", [approx, f"{out}.k"], [f"{out}.top_values", f"{out}.top"], name=f"{out}.topk", axis=-1),
-        helper.make_node("Gather", [weight, f"{out}.top"], [f"{out}.columns"], name=f"{out}.columns", axis=1),  # (d, b, t, K)
-        helper.make_node("Transpose", [f"{out}.columns"], [f"{out}.rows"], name=f"{out}.rows", perm=[1, 2, 3, 0]),  # (b, t, K, d)
+        helper.make_node("Gather", [rows, f"{out}.top"], [f"{out}.rows"], name=f"{out}.rows", axis=0),  # (b, t, K, d)
         helper.make_node("Unsqueeze", [hidden, f"{out}.last"], [f"{out}.h"], name=f"{out}.h"),  # (b, t, d, 1)
         helper.make_node("MatMul", [f"{out}.rows", f"{out}.h"], [f"{out}.exact1"], name=f"{out}.exact"),  # (b, t, K, 1)
         helper.make_node("Squeeze", [f"{out}.exact1", f"{out}.last"], [f"{out}.exact"], name=f"{out}.squeeze"),
@@ -75,4 +78,4 @@ def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAUL
     for i, node in enumerate(nodes):
         copy_metadata(node, last)
         graph.node.insert(at + i, node)
-    return {"rescored": True, "top": k, "node": fp32.name, "table": weight}
+    return {"rescored": True, "top": k, "node": fp32.name, "table": rows}
