@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="ORT/torch threads (default: physical cores)")
     parser.add_argument("--src-lang", default=None, help=f"source language code ({sources}; default English)")
     parser.add_argument("--tgt-lang", default=None, help=f"target language code, forced first (default Chinese: {targets})")
-    parser.add_argument("--int8-keep", default="none", help="int8 nodes kept in fp32 by measured sensitivity: "
-                        "none (every MatMul int8), N (the N most sensitive), auto (the fewest that reach the "
-                        "agreement target on the calibration sentences within a speed budget; export/int8_choice.py)")
+    parser.add_argument("--int8-keep", default="none", help="int8 nodes kept in fp32 by their sensitivity, measured on "
+                        "the first 64 --sentences: none (default: every MatMul int8), N (the N most sensitive), auto "
+                        "(the once-per-sentence nodes that help, the output layer's best logits re-scored in fp32, "
+                        "then decoder-step MatMuls until the agreement target or a weight budget; export/int8_choice.py)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
