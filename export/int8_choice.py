@@ -28,7 +28,7 @@ from .int8_rescore import DEFAULT_TOP, output_layer
 CHOICES = "auto, none, or a count N >= 0"
 CALIBRATION_SENTENCES = 64
 AUTO_TARGET = 0.95
-AUTO_STEP_BUDGET = 0.10
+AUTO_STEP_BUDGET = 0.20
 
 
 def parse_keep(value: str | int) -> str | int:
