@@ -108,7 +108,8 @@ def choose(folder: Path, shape: dict, calib: int8_sensitivity.Calibration | None
         rule = outcome["rule"]
     else:
         chosen, rescore = ranking[:keep], 0
-        rule = f"N = {keep}: the {len(chosen)} most sensitive nodes" + ("" if len(chosen) == keep else " (all there are)")
+        rule = f"N = {keep}: the {len(chosen)} most sensitive nodes"
+        rule += "" if len(chosen) == keep else " (all there are)"
     position = {s.item.key: i + 1 for i, s in enumerate(ranking)}
     kept = [{**s.record(), "rank": position[s.item.key],
              "why": (f"rank {position[s.item.key]} of {len(ranking)} by margin error removed on the calibration text"

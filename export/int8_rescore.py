@@ -66,7 +66,8 @@ def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAUL
     last = producers[out]
     last.output[list(last.output).index(out)] = approx
     nodes = [
-        helper.make_node("TopK", [approx, f"{out}.k"], [f"{out}.top_values", f"{out}.top"], name=f"{out}.topk", axis=-1),
+        helper.make_node("TopK", [approx, f"{out}.k"], [f"{out}.top_values", f"{out}.top"], name=f"{out}.topk",
+                         axis=-1),
         helper.make_node("Gather", [rows, f"{out}.top"], [f"{out}.rows"], name=f"{out}.rows", axis=0),  # (b, t, K, d)
         helper.make_node("Unsqueeze", [hidden, f"{out}.last"], [f"{out}.h"], name=f"{out}.h"),  # (b, t, d, 1)
         helper.make_node("MatMul", [f"{out}.rows", f"{out}.h"], [f"{out}.exact1"], name=f"{out}.exact"),  # (b, t, K, 1)

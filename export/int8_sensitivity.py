@@ -147,7 +147,8 @@ def measure(folder: Path, shape: dict, calib: Calibration, threads: int | None =
     start = time.perf_counter()
     folder = Path(folder)
     src = {g: folder / f"{g}.onnx" for g in ("encoder", "decoder")}
-    items = [i for g in ("encoder", "decoder") for i in quantize.quantizable(g, onnx.load(str(src[g]), load_external_data=False))]
+    items = [i for g in ("encoder", "decoder")
+             for i in quantize.quantizable(g, onnx.load(str(src[g]), load_external_data=False))]
     ref = _reference(_engine(src["encoder"], src["decoder"], shape, threads), calib)
     with tempfile.TemporaryDirectory(prefix="int8-sensitivity-") as tmp:
         tmp = Path(tmp)
