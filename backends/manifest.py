@@ -199,7 +199,16 @@ class Manifest:
 
     def kept_in_float(self, precision: str) -> str | None:
         """One line for a low-precision backend's panel: what its graphs keep in fp32, and why."""
-        guard = (self.data.get(precision) or {}).get("guard")
+        section = self.data.get(precision) or {}
+        if "keep_option" in section:  # int8: nodes kept by measured sensitivity (export/int8_choice.py)
+            rescored = section.get("output_layer_rescored")
+            rescore = f"; the output layer's {rescored['top']} best logits re-scored in fp32" if isinstance(
+                rescored, dict) and rescored.get("rescored") else ""
+            if section["keep_option"] == "none":
+                return "int8: every MatMul and embedding in int8 (--int8-keep none)"
+            return (f"int8 --int8-keep {section['keep_option']}: {len(section.get('kept_in_fp32') or [])} weight node(s) "
+                    f"kept in fp32 by measured sensitivity{rescore}")
+        guard = section.get("guard")
         if not guard:
             return None
         if guard.get("mode") != "auto":

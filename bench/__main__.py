@@ -127,7 +127,27 @@ def _decode_option(value: str) -> tuple[str, object]:
         return key.strip(), raw
 
 
+def int8_curve(args) -> int:
+    from corpus import read_pairs
+
+    from . import int8_curve as curve
+
+    export_dir = resolve_model(args.model, threads=args.threads or 1)
+    out = args.out or _default_out("int8-curve", export_dir)
+    pairs = list(read_pairs(args.input, require_zh=True))[: args.sentences]
+    results = curve.run(export_dir, pairs, out, args.int8_curve, threads=args.threads or 1,
+                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                        speed_sentences=args.int8_speed_sentences, rounds=args.int8_speed_rounds,
+                        rescore=args.int8_rescore, auto=args.int8_auto,
+                        log=lambda m, **_: print(m, flush=True))
+    print(curve.table(results))
+    print(f"wrote {out / 'int8_curve.json'}, {out / 'int8_curve.md'}")
+    return 0
+
+
 def quality(args) -> int:
+    if args.int8_curve is not None:
+        return int8_curve(args)
     from . import quality as quality_mod
     from .engine import EngineOptions, EngineUnavailable
     from .report import write_quality
@@ -273,6 +293,14 @@ def main(argv=None) -> int:
     qp.add_argument("--node-cache", help="ray: where shipped exports go on each node (default: its temp folder)")
     qp.add_argument("--external", action="append", default=[], metavar="NAME=DIR",
                     help="also run an Optimum-layout ONNX export of the same model as backend NAME (repeatable; DIR may name a variant's encoder file, e.g. DIR/encoder_model_quantized.onnx)")
+    qp.add_argument("--int8-curve", type=_ints, metavar="N,N,...",
+                    help="instead: int8 with the N most sensitive nodes kept in fp32, for each N (0 added): identical "
+                    "to PyTorch greedy and at the model's beams, BLEU, ms/token at batch 1 (1 thread unless --threads)")
+    qp.add_argument("--int8-speed-sentences", type=int, default=30, help="--int8-curve: sentences timed at batch 1")
+    qp.add_argument("--int8-speed-rounds", type=int, default=3, help="--int8-curve: round-robin timing rounds")
+    qp.add_argument("--int8-auto", action="store_true", help="--int8-curve: also the choice --int8-keep auto makes")
+    qp.add_argument("--int8-rescore", type=int, default=0, metavar="K", help="--int8-curve: also each count with "
+                    "the output layer's K best logits re-scored in fp32 instead of the layer kept (0: not)")
     qp.add_argument("--out", type=Path, help="results folder; a rerun with the same --out resumes")
     qp.set_defaults(func=quality)
 

@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="what stays fp32 in the fp16 graphs: auto (default: the nodes whose values on "
                              "calibration text come near fp16's range), none (the converter's own block list), "
                              "or ONNX op types")
+    parser.add_argument("--int8-keep", default="none", help="int8 nodes kept in fp32 by their sensitivity, measured on "
+                        "the first 64 --sentences: none (default: every MatMul int8), N (the N most sensitive), auto "
+                        "(the once-per-sentence nodes that help, the output layer's best logits re-scored in fp32, "
+                        "then decoder-step MatMuls until the agreement target or a weight budget; export/int8_choice.py)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             src_lang=args.src_lang,
             tgt_lang=args.tgt_lang,
             fp16_keep=Fp16Keep.parse(args.fp16_keep),
+            int8_keep=args.int8_keep,
         )
         out = export(args.src, options)
     except (FileExistsError, SourceError, ExportError, ValueError) as e:

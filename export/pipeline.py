@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.memory import reset_peak_rss
 
-from . import fp16, fp16_guard, graphs, quantize, ranges, rewrite, sidecar, verify
+from . import fp16, fp16_guard, graphs, int8_choice, quantize, ranges, rewrite, sidecar, verify
 from .fp16_guard import Fp16Keep
 from .source import load_source
 
@@ -38,8 +38,11 @@ class ExportOptions:
     external_data: bool | None = None
     # What stays fp32 in the fp16 graphs (export/fp16_guard.py): measured by default.
     fp16_keep: Fp16Keep = Fp16Keep()
+    # int8 nodes kept in fp32: "none", "auto" or a count, by measured sensitivity (export/int8_choice.py).
+    int8_keep: str = "none"
 
     def __post_init__(self):
+        object.__setattr__(self, "int8_keep", str(int8_choice.parse_keep(self.int8_keep)))
         if self.opset < 17:
             raise ValueError(f"opset must be >= 17 (LayerNormalization is a single op from 17), got {self.opset}")
         if self.verify_sentences < 1 or self.verify_max_new_tokens < 1:
@@ -181,9 +184,18 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         steps.run("fuse each attention core into one MultiHeadAttention, with its cache and packed q/k/v (fp32, fp16)", fuse)
 
         def to_int8():
-            reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx")
+            calib = None
+            if options.int8_keep != "none":
+                calib = int8_choice.calibration(tokenizer, config, generation, verify.read_dev_sentences(
+                    options.sentences, int8_choice.CALIBRATION_SENTENCES))
+            choice = int8_choice.choose(tmp, shape, calib, options.int8_keep, threads=options.threads, log=log)
+            keep = int8_choice.keep_sets(choice)
+            reports = {name: quantize.quantize_int8(tmp / f"{name}.onnx", tmp / f"{name}_int8.onnx", keep=keep[name],
+                                                    rescore=choice["rescore"] if name == "decoder" else 0)
                        for name in ("encoder", "decoder")}
-            return {**reports["decoder"], "gathers": {name: r["gathers"] for name, r in reports.items()}}
+            return {**reports["decoder"], "gathers": {name: r["gathers"] for name, r in reports.items()},
+                    "keep_option": choice["option"], "keep_rule": choice["rule"], "kept_in_fp32": choice["kept"],
+                    "sensitivity": choice["sensitivity"]}
 
         int8_report = steps.run("quantize KV-cache pair to int8 (dynamic)", to_int8)
         graph_section = sidecar.graph_entries(specs, tmp)

@@ -152,8 +152,9 @@ def _symmetric_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def quantize_gathers(model: onnx.ModelProto) -> dict:
-    """After ORT's dynamic quantization (MatMul only): make every embedding Gather read int8.
+def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset()) -> dict:
+    """After ORT's dynamic quantization (MatMul only): make every embedding Gather read int8,
+    except those named in `keep`.
 
     Where the same weight feeds the output MatMul, ORT stored it per output channel as
     `<W>_quantized` / `_scale` / `_zero_point`; the Gather then reads those, so the embedding and
@@ -171,8 +172,8 @@ def quantize_gathers(model: onnx.ModelProto) -> dict:
         weight = g.input[0]
         if weight not in inits or len(inits[weight].dims) != 2:
             continue
-        if any(n.op_type != "Gather" for n in readers[weight]):
-            continue  # still read as fp32 elsewhere: keep it
+        if g.name in keep or any(n.op_type != "Gather" for n in readers[weight]):
+            continue  # asked to stay fp32, or still read as fp32 elsewhere: keep it
         axis = next((a.i for a in g.attribute if a.name == "axis"), 0)
         qn, sn, zn = f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"
         source = "matmul"

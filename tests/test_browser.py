@@ -59,6 +59,7 @@ def test_translate_shows_every_backend_divergence_and_latency(page, artifacts_di
         assert "PyTorch" in page.locator(f"#stats-{n}").inner_text()
     # what the fp16 graphs keep in fp32, as the export's overflow guard measured it
     assert "overflow guard: " in page.locator("#stats-ort_fp16").inner_text()
+    assert "--int8-keep" in page.locator("#stats-ort_int8").inner_text()
     assert "total" in page.locator("#stats-pytorch").inner_text()
 
     divergence = page.locator("#divergence")
