@@ -62,7 +62,8 @@ def _prepare(export_dir, names, src_lang=None, tgt_lang=None):
     manifest = load_manifest(export_dir).with_languages(src_lang, tgt_lang)
     manifest.verify_tokenizer()
     languages = manifest.languages or {}
-    return manifest, TokenizerWrapper(Path(export_dir), src_lang=languages.get("src_lang"))
+    return manifest, TokenizerWrapper(Path(export_dir), src_lang=languages.get("src_lang"),
+                                      source_prefix=manifest.source_prefix)
 
 
 def _source_weight_bytes(manifest: Manifest) -> int:

@@ -52,7 +52,8 @@ def _tokenizer_differences(folder: Path, manifest: Manifest, reference) -> list[
         if name.endswith((".spm", ".model")) and sha256_file(folder / name) != sha256_file(manifest.root / name):
             out.append(f"{name} differs from the reference's (sha256)")
     try:
-        theirs = TokenizerWrapper(folder, src_lang=reference.src_lang, tokenizer_class=manifest.tokenizer_class)
+        theirs = TokenizerWrapper(folder, src_lang=reference.src_lang, tokenizer_class=manifest.tokenizer_class,
+                                  source_prefix=reference.source_prefix)
     except Exception as e:  # reported as a difference: the message is what the user needs
         return [*out, f"its tokenizer does not load as {manifest.tokenizer_class}: {type(e).__name__}: {e}"]
     for what in ("pad_id", "eos_id"):

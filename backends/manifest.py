@@ -74,6 +74,14 @@ _ASSISTANT_ONLY = (
 )
 
 
+def source_prefix(languages: dict | None) -> str | None:
+    """The text before every source ("<2zh> ") of a sidecar's languages whose target is a token
+    there (MADLAD-400); None otherwise."""
+    if not languages or not languages.get("target_token"):
+        return None
+    return languages["target_token"].format(languages["tgt_lang"]) + " "
+
+
 def _is_set(value: Any) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
@@ -270,7 +278,8 @@ class Manifest:
 
     @property
     def languages(self) -> dict[str, Any] | None:
-        """{"src_lang", "tgt_lang", "codes": {code: id}}, or None for a model without language codes."""
+        """{"src_lang", "tgt_lang", "codes": {code: id}} (and "target_token", the template of a target
+        named by a token before the source), or None for a model without language codes."""
         return self.data.get("languages")
 
     def with_languages(self, src_lang: str | None = None, tgt_lang: str | None = None) -> "Manifest":
@@ -285,6 +294,9 @@ class Manifest:
                 f"{self.root}: this {self.architecture} model has no language codes; --src-lang/--tgt-lang do not apply"
             )
         codes = languages["codes"]
+        if src_lang is not None and languages.get("target_token"):
+            raise ValueError(f"{self.root}: this {self.architecture} model reads the source language from the text "
+                             "itself; --src-lang does not apply")
         unknown = [f"{what} {code!r}" for what, code in (("source language", src_lang), ("target language", tgt_lang))
                    if code is not None and code not in codes]
         if unknown:
@@ -292,8 +304,15 @@ class Manifest:
         data = dict(self.data)
         data["languages"] = {**languages, "src_lang": src_lang or languages["src_lang"],
                              "tgt_lang": tgt_lang or languages["tgt_lang"]}
-        data["generation"] = {**self.data["generation"], "forced_bos_token_id": codes[data["languages"]["tgt_lang"]]}
+        if not languages.get("target_token"):  # else the token before the source names the target
+            data["generation"] = {**self.data["generation"],
+                                  "forced_bos_token_id": codes[data["languages"]["tgt_lang"]]}
         return Manifest(root=self.root, data=data)
+
+    @property
+    def source_prefix(self) -> str | None:
+        """The text before every source ("<2zh> ") where the target language is a token there (MADLAD-400)."""
+        return source_prefix(self.languages)
 
     def verify_tokenizer(self) -> None:
         for filename in self.tokenizer_files:

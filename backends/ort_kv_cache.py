@@ -48,7 +48,7 @@ class KVCacheStepModel:
         model = manifest.data["model"]
         self.layers = model["decoder_layers"]
         self.heads = model["decoder_attention_heads"]
-        self.head_dim = model["d_model"] // self.heads
+        self.head_dim = model.get("head_dim") or model["d_model"] // self.heads
         self.cross_names = [o.name for o in self.encoder.get_outputs()][1:]
         self.past_names = [i.name for i in self.decoder.get_inputs() if i.name.startswith("past.")]
         self.present_names = [o.name for o in self.decoder.get_outputs() if o.name.startswith("present.")]

@@ -17,6 +17,8 @@ import numpy as np
 
 from families import DEFAULT_FAMILY, FAMILIES, tokenizer_classes
 
+from .manifest import source_prefix
+
 # The classes the families use (families/); anything else in a sidecar is refused.
 TOKENIZER_CLASSES = tokenizer_classes()
 
@@ -32,24 +34,28 @@ class EncodedBatch:
     lengths: list[int]  # real tokens per row, eos included
 
 
-def _sidecar_tokenizer(folder: Path) -> tuple[str, str | None]:
-    """(tokenizer class, source language) recorded in the folder's sidecar; without one, a model
-    folder of the default family."""
+def _sidecar_tokenizer(folder: Path) -> tuple[str, str | None, str | None]:
+    """(tokenizer class, source language, source prefix) recorded in the folder's sidecar; without
+    one, a model folder of the default family."""
     path = folder / "manifest.json"
     if not path.is_file():
-        return FAMILIES[DEFAULT_FAMILY].tokenizer_classes[0], None
+        return FAMILIES[DEFAULT_FAMILY].tokenizer_classes[0], None, None
     data = json.loads(path.read_text(encoding="utf-8"))
     languages = data.get("languages") or {}
-    return (data.get("tokenizer") or {}).get("class"), languages.get("src_lang")
+    return (data.get("tokenizer") or {}).get("class"), languages.get("src_lang"), source_prefix(languages)
 
 
 class TokenizerWrapper:
     """`folder`: an export folder (its sidecar names the class and source language) or a model
-    folder. `src_lang`: overrides the sidecar's source language (a code the tokenizer knows)."""
+    folder. `src_lang`: overrides the sidecar's source language (a code the tokenizer knows).
+    `source_prefix`: overrides the sidecar's text before every source, the target-language token
+    of a family that names its target there (MADLAD-400's "<2zh> ")."""
 
-    def __init__(self, folder: str | Path, src_lang: str | None = None, tokenizer_class: str | None = None):
+    def __init__(self, folder: str | Path, src_lang: str | None = None, tokenizer_class: str | None = None,
+                 source_prefix: str | None = None):
         folder = Path(folder)
-        recorded_class, recorded_lang = _sidecar_tokenizer(folder)
+        recorded_class, recorded_lang, recorded_prefix = _sidecar_tokenizer(folder)
+        self.source_prefix = source_prefix or recorded_prefix or ""
         self.tokenizer_class = tokenizer_class or recorded_class
         if self.tokenizer_class not in TOKENIZER_CLASSES:
             raise ValueError(
@@ -80,7 +86,7 @@ class TokenizerWrapper:
                 raise InputError(f"text {i + 1} is empty or whitespace only: nothing to translate")
         # One call for the batch: the same ids as one call per text (tested), in less time. Each
         # row ends with eos (families with language codes: the source's code first).
-        rows = self._tok(list(texts), verbose=False).input_ids
+        rows = self._tok([self.source_prefix + t for t in texts], verbose=False).input_ids
         for i, ids in enumerate(rows):
             if len(ids) > max_tokens:
                 raise InputError(
@@ -97,7 +103,7 @@ class TokenizerWrapper:
 
     def count_tokens(self, text: str) -> int:
         # Counting text over the limit is the point (to split it): no "longer than the maximum" warning.
-        return len(self._tok(text, verbose=False).input_ids)
+        return len(self._tok(self.source_prefix + text, verbose=False).input_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

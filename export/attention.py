@@ -47,7 +47,8 @@ _FLOAT_DTYPES = (np.float32, np.float16)
 def fuse_attention(model: onnx.ModelProto, num_heads: int) -> dict:
     """Each attention core `export/wrappers._attend` wrote, as one ONNX Runtime `MultiHeadAttention`.
 
-    The exported core is Reshape + Transpose of q (b, t, h*d) into heads, Mul by the scaling,
+    The exported core is Reshape + Transpose of q (b, t, h*d) into heads, Mul by the scaling (none
+    where the family does not scale its scores: T5, `scale` 1),
     MatMul with Transpose(k), Add of the padding bias where there is one, Softmax, MatMul with v,
     Transpose + Reshape back to (b, t, h*d): eight to ten nodes, each writing a (b, h, t, s) or
     (b, h, t, d) tensor that the next reads back. `com.microsoft.MultiHeadAttention` takes q as
@@ -106,10 +107,14 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> dict:
         k_t_merged = made_by(qk.input[1], "Transpose", [0, 2, 3, 1]) if k_t is None else None
         mul = made_by(qk.input[0], "Mul")
         pv = only_reader(sm.output[0], "MatMul")
-        if (k_t is None and k_t_merged is None) or mul is None or pv is None or pv.input[0] != sm.output[0]:
+        if (k_t is None and k_t_merged is None) or pv is None or pv.input[0] != sm.output[0]:
             continue
-        q_heads = next((i for i in mul.input if made_by(i, "Transpose", [0, 2, 1, 3])), None)
-        scale = _scalar(graph, mul.input[1] if q_heads == mul.input[0] else mul.input[0], producers)
+        if mul is not None:
+            q_heads = next((i for i in mul.input if made_by(i, "Transpose", [0, 2, 1, 3])), None)
+            scale = _scalar(graph, mul.input[1] if q_heads == mul.input[0] else mul.input[0], producers)
+        else:  # unscaled scores (T5): the query's head split feeds the product itself
+            q_heads = qk.input[0] if made_by(qk.input[0], "Transpose", [0, 2, 1, 3]) else None
+            scale = 1.0
         q_split = made_by(q_heads, "Transpose", [0, 2, 1, 3]) if q_heads else None
         q_reshape = made_by(q_split.input[0], "Reshape") if q_split is not None else None
         merge_t = only_reader(pv.output[0], "Transpose")

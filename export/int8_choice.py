@@ -22,6 +22,8 @@ from pathlib import Path
 
 import onnx
 
+from families import shape_of
+
 from . import int8_sensitivity
 from .int8_rescore import DEFAULT_TOP, output_layer
 
@@ -43,7 +45,7 @@ def parse_keep(value: str | int) -> str | int:
 
 def calibration(tokenizer, config, generation: dict, sentences: list[str]) -> int8_sensitivity.Calibration:
     """The calibration batch: `sentences` tokenized by the source's (HF) tokenizer, padded."""
-    batch = tokenizer(sentences, padding=True, truncation=True, max_length=config.max_position_embeddings,
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=shape_of(config)["max_position_embeddings"],
                       return_tensors="np")
     special = {"decoder_start": config.decoder_start_token_id, "eos": config.eos_token_id, "pad": config.pad_token_id}
     return int8_sensitivity.calibration(batch["input_ids"], batch["attention_mask"], special, generation)

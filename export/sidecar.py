@@ -96,7 +96,7 @@ def generation(model, family, source: dict, languages: dict | None) -> dict:
     special = {"pad": c.pad_token_id, "eos": c.eos_token_id, "decoder_start": c.decoder_start_token_id}
     config = model.generation_config.to_dict()
     note = None
-    if languages is not None:
+    if languages is not None and not languages.get("target_token"):  # a token before the source forces nothing
         forced = languages["codes"][languages["tgt_lang"]]
         if config.get("forced_bos_token_id") not in (None, forced):
             note = (f"the model's generation config forces id {config['forced_bos_token_id']} first; the target "

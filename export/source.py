@@ -4,6 +4,7 @@ registry (`families/`), with a tokenizer that matches its vocabulary."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from families import Family, UnsupportedArchitecture, default_languages, family_of, supported
@@ -78,6 +79,56 @@ def language_codes(tokenizer) -> dict[str, int]:
     return {code: int(i) for code, i in zip(extra, ids) if i is not None and i != tokenizer.unk_token_id}
 
 
+def target_codes(tokenizer, template: str) -> dict[str, int]:
+    """{code: id} of the vocabulary's target-language tokens of the family's form ("<2{}>": <2zh>, <2de>...)."""
+    prefix, suffix = template.split("{}")
+    form = re.compile(re.escape(prefix) + r"([A-Za-z][A-Za-z0-9_-]*)" + re.escape(suffix))
+    found = {}
+    for token, i in tokenizer.get_vocab().items():
+        match = form.fullmatch(token)
+        if match:
+            found[match.group(1)] = int(i)
+    return dict(sorted(found.items()))
+
+
+class TargetPrefixed:
+    """The source's tokenizer with the target-language token before every text, as MADLAD-400 is
+    used ("<2zh> " + text); everything else is the tokenizer's own."""
+
+    def __init__(self, tokenizer, prefix: str):
+        self._tokenizer = tokenizer
+        self.prefix = prefix
+
+    def __call__(self, text, *args, **kwargs):
+        texts = self.prefix + text if isinstance(text, str) else [self.prefix + t for t in text]
+        return self._tokenizer(texts, *args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def _target_token_languages(tokenizer, family: Family, src_lang, tgt_lang, where: str):
+    """(languages, tokenizer) of a family whose target language is a token before the source: its
+    codes from the vocabulary, and the tokenizer prefixing each text with the chosen one."""
+    codes = target_codes(tokenizer, family.target_token)
+    if src_lang:
+        raise SourceError(f"{where}: a {family.title} model reads the source language from the text itself; "
+                          "--src-lang does not apply")
+    if not codes:
+        if tgt_lang:
+            raise SourceError(f"{where}: this model's vocabulary has no target-language tokens "
+                              f"({family.target_token.format('xx')}); --tgt-lang does not apply")
+        return None, tokenizer
+    tgt_lang = tgt_lang or family.default_tgt_lang
+    if tgt_lang not in codes:
+        raise SourceError(f"{where}: unknown target language {tgt_lang!r}; the tokenizer knows: {', '.join(codes)}")
+    languages = {"src_lang": None, "tgt_lang": tgt_lang, "codes": codes, "target_token": family.target_token}
+    return languages, TargetPrefixed(tokenizer, family.target_token.format(tgt_lang) + " ")
+
+
 def check_languages(codes: dict[str, int], src_lang: str | None, tgt_lang: str | None, where: str) -> None:
     if not codes:
         if src_lang or tgt_lang:
@@ -130,7 +181,9 @@ def check_weights_match(loading: dict, where: str) -> None:
 def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = None):
     """Return (model in eval mode, tokenizer, source record for the sidecar, family, languages).
 
-    `languages`: None for a family without codes, else {"src_lang", "tgt_lang", "codes": {code: id}}.
+    `languages`: None for a model without codes, else {"src_lang", "tgt_lang", "codes": {code: id}}, and
+    for a family whose target is a token before the source, "target_token" (its template) and src_lang
+    None; the tokenizer returned then prefixes every text with it.
     """
     import transformers
 
@@ -153,7 +206,8 @@ def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = No
             family = check_architecture(transformers.AutoConfig.from_pretrained(src).to_dict(), src)
         tokenizer_class = tokenizer_class_of(path, family) if path.exists() else family.tokenizer_classes[0]
         default_src, default_tgt = default_languages(family, tokenizer_class)
-        src_lang, tgt_lang = src_lang or default_src, tgt_lang or default_tgt
+        if family.target_token is None:
+            src_lang, tgt_lang = src_lang or default_src, tgt_lang or default_tgt
         kwargs = {"src_lang": src_lang, "tgt_lang": tgt_lang} if default_src else {}
         tokenizer = getattr(transformers, tokenizer_class).from_pretrained(where, **kwargs)
         model_class = getattr(transformers, family.architecture)
@@ -173,14 +227,16 @@ def load_source(src: str, src_lang: str | None = None, tgt_lang: str | None = No
         raise SourceError(f"could not load {where}: {e}") from e
     except ValueError as e:  # e.g. weights whose shapes do not match the config
         raise SourceError(f"could not load {where}: {e}") from e
-    codes = language_codes(tokenizer) if default_src else {}
-    check_languages(codes, src_lang, tgt_lang, where)
+    if family.target_token is not None:
+        languages, tokenizer = _target_token_languages(tokenizer, family, src_lang, tgt_lang, where)
+        codes = languages["codes"] if languages else {}
+    else:
+        codes = language_codes(tokenizer) if default_src else {}
+        check_languages(codes, src_lang, tgt_lang, where)
+        languages = {"src_lang": src_lang, "tgt_lang": tgt_lang, "codes": codes} if codes else None
     check_tokenizer_matches(tokenizer, model.config, codes, where)
     for p in model.parameters():
         p.requires_grad_(False)
-    languages = None
-    if codes:
-        languages = {"src_lang": src_lang, "tgt_lang": tgt_lang, "codes": codes}
     record["tokenizer_class"] = tokenizer_class
     return model, tokenizer, record, family, languages
 

@@ -31,6 +31,7 @@ from backends import APPROXIMATE, REFERENCE
 from backends.base import StepModel
 from backends.registry import BACKENDS
 from corpus import DEV_TSV, read_sentences
+from families import shape_of
 
 FP32_LOGITS_TOLERANCE = 1e-4
 # Each ORT engine's key in the logits report; the approximate ones are reported, not required to match.
@@ -55,7 +56,7 @@ class Case:
 def build_cases(tokenizer, sentences: list[str], config, decoder_len: int = 12) -> list[Case]:
     """Single rows of three source lengths (short, ~64, >= 400 tokens) and a padded batch."""
     eos, pad = tokenizer.eos_token_id, config.pad_token_id
-    limit = config.max_position_embeddings
+    limit = shape_of(config)["max_position_embeddings"]
     stream = []
     for s in sentences * 50:
         stream += tokenizer(s).input_ids[:-1]

@@ -47,7 +47,7 @@ class Family:
     architecture: str  # the transformers class exported (config.json's architectures)
     tokenizer_classes: tuple[str, ...]  # transformers tokenizer classes this family ships with
     pre_norm: bool  # LayerNorm before each sub-layer (else after the residual sum)
-    positions: str  # "sinusoidal" | "sinusoidal_padding_offset" | "learned_offset"
+    positions: str  # "sinusoidal" | "sinusoidal_padding_offset" | "learned_offset" | "relative" (T5's buckets)
     position_offset: int  # rows of the position table before position 0 (learned_offset)
     embedding_norm: bool  # LayerNorm right after token + position embedding (mBART)
     final_norm: bool  # LayerNorm after the last encoder layer and after the last decoder layer
@@ -70,6 +70,9 @@ class Family:
     default_src_lang: str | None = None
     default_tgt_lang: str | None = None
     tokenizer_languages: Mapping[str, tuple[str, str]] = field(default_factory=dict, hash=False)
+    # A family whose target language is a token before the source text (MADLAD-400's "<2zh>"): its
+    # template. The codes are the vocabulary's tokens of that form; a vocabulary without any has none.
+    target_token: str | None = None
     example_hub_ids: tuple[str, ...] = ()
     # Random-weight model folders for tests and benchmarks (export/fixtures.py): name -> recipe,
     # an object with `sample_pairs` and `build(folder, pairs, seed)`.

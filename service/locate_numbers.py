@@ -17,15 +17,17 @@ PRECISION_FLOOR = {"fp16": 2.0**-11, "int8": 1.0 / 127}
 
 def torch_activations(hf_model, input_ids: np.ndarray, attention_mask: np.ndarray, decoder_ids: np.ndarray,
                       modules: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Outputs of `modules` (HF paths below `hf_model.model`, and `lm_head`) in one teacher-forced
+    """Outputs of `modules` (HF paths below `hf_model.model`, or the model itself for T5, and `lm_head`) in one teacher-forced
     forward without cache, and the logits (b, t, V). Forward hooks on the model's own modules."""
     import torch
 
     captured: dict[str, np.ndarray] = {}
     by_module: dict[int, list[str]] = {}
     handles = []
+    # BART-style models keep their stacks under `.model`; T5 keeps them on the model itself.
+    stacks = getattr(hf_model, "model", hf_model)
     for name in modules:
-        module = hf_model.lm_head if name == "lm_head" else hf_model.model.get_submodule(name)
+        module = hf_model.lm_head if name == "lm_head" else stacks.get_submodule(name)
         by_module.setdefault(id(module), []).append(name)
         if len(by_module[id(module)]) > 1:
             continue  # one module under several names (tied embeddings): its calls, in order

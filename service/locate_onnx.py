@@ -128,7 +128,7 @@ def run_onnx(graphs: list[_Graph], input_ids, attention_mask, decoder_ids, confi
         past_names = [i.name for i in dec.get_inputs() if i.name.startswith("past.")]
         present_names = [o.name for o in dec.get_outputs() if o.name.startswith("present.")]
         heads = facts["decoder_attention_heads"]
-        head_dim = facts["d_model"] // heads
+        head_dim = facts.get("head_dim") or facts["d_model"] // heads
         rows = input_ids.shape[0]
         past = {n: np.zeros((rows, heads, 0, head_dim), dtype=types[n]) for n in past_names}  # (b, h, 0, d)
         fixed = {"encoder_attention_mask": attention_mask}

@@ -60,7 +60,8 @@ def model_heading(manifest) -> str:
     label = family.label_for(manifest.tokenizer_class) if family is not None else manifest.family
     languages = manifest.languages
     if languages:
-        return f"{label} {languages['src_lang']}→{languages['tgt_lang']}"
+        # A target named by a token before the source (MADLAD-400): the model reads any source language.
+        return f"{label} {languages['src_lang'] or 'any'}→{languages['tgt_lang']}"
     try:
         config = json.loads((Path(manifest.root) / "tokenizer_config.json").read_text(encoding="utf-8"))
         pair = config.get("source_lang"), config.get("target_lang")

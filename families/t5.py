@@ -1,0 +1,195 @@
+"""T5 (`T5ForConditionalGeneration`: T5, T5 v1.1, MADLAD-400), with a layout of its own, not BART's:
+relative position buckets (one bias table per stack, in its first block, shared by the others), RMS LayerNorm without bias before each sub-layer and after each stack,
+unscaled attention scores, a ReLU (T5) or gated-GELU (v1.1, mT5, MADLAD) feed-forward, the output
+layer rescaled by `d_model ** -0.5` when it is tied to the embedding, and the decoder starting from
+pad. MADLAD-400 names the target language with a token such as `<2zh>` before the source text; a
+T5 vocabulary without such tokens has no language codes."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .family import Family, Layout
+
+# A T5 model has no position table; its published checkpoints were trained on inputs of this
+# many tokens, which is the limit the export and the app read (the sidecar's "limits").
+T5_POSITIONS = 512
+
+# The self-attention's q, k and v are one packed MatMul in the KV-cache graphs (T5's projections
+# have no bias to tell them apart after it), so locate reports the attention whole; the
+# cross-attention's are computed apart (q in the decoder step, k and v in the encoder graph).
+_ENCODER_PARTS = ("layer.0.layer_norm", "layer.0.SelfAttention", "layer.1.layer_norm", "layer.1.DenseReluDense")
+_DECODER_PARTS = ("layer.0.layer_norm", "layer.0.SelfAttention", "layer.1.layer_norm", "layer.1.EncDecAttention.q",
+                  "layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v", "layer.1.EncDecAttention",
+                  "layer.2.layer_norm", "layer.2.DenseReluDense")
+
+
+class T5Naming:
+    """HF's module paths: `encoder.block.N.layer.0.SelfAttention.q`, `decoder.final_layer_norm`, `lm_head`."""
+
+    wrapper_scopes = {
+        "export.t5_wrappers.EncoderWithCrossKV": (
+            (r"^block\.", "encoder.block."),
+            (r"^cross_attn\.(\d+)(?=\.|$)", r"decoder.block.\1.layer.1.EncDecAttention"),
+            (r"^embed_tokens$", "encoder.embed_tokens"),
+            (r"^final_layer_norm$", "encoder.final_layer_norm"),
+        ),
+        "export.t5_wrappers.DecoderStepWithCache": (
+            (r"^block\.", "decoder.block."),
+            (r"^embed_tokens$", "decoder.embed_tokens"),
+            (r"^final_layer_norm$", "decoder.final_layer_norm"),
+            (r"^lm_head$", "lm_head"),
+        ),
+    }
+    hf_path = re.compile(
+        r"(?:^|\.)((?:encoder|decoder)\.(?:block\.\d+(?:\.\w+)*|embed_tokens|final_layer_norm)|lm_head)$"
+    )
+    over_source = re.compile(r"^decoder\.block\.\d+\.layer\.1\.EncDecAttention\.[kv]$")
+
+    def order(self, family, encoder_layers: int, decoder_layers: int) -> list[str]:
+        """Every module locate compares, in execution order."""
+
+        def stack(side: str, layers: int, parts) -> list[str]:
+            return [f"{side}.embed_tokens", *(f"{side}.block.{i}.{p}" for i in range(layers) for p in parts),
+                    f"{side}.final_layer_norm"]
+
+        return [*stack("encoder", encoder_layers, _ENCODER_PARTS), *stack("decoder", decoder_layers, _DECODER_PARTS),
+                "lm_head"]
+
+
+def t5_shape(config) -> dict:
+    """The sidecar's "model" facts from a T5 config (`num_layers`, `d_kv`, `d_ff`...)."""
+    return {
+        "d_model": config.d_model,
+        "encoder_layers": config.num_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "head_dim": config.d_kv,  # T5's d_kv need not be d_model / heads (MADLAD-3B: 128 x 16 over 1024)
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "activation_function": config.feed_forward_proj,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": getattr(config, "n_positions", None) or T5_POSITIONS,
+        "relative_attention_num_buckets": config.relative_attention_num_buckets,
+        "relative_attention_max_distance": config.relative_attention_max_distance,
+        "output_scaled": bool(getattr(config, "scale_decoder_outputs", False)),
+    }
+
+
+T5_LAYOUT = Layout(name="t5", wrappers="export.t5_wrappers", attention="export.attention", naming=T5Naming(),
+                   shape=t5_shape)
+
+# T5's sentencepiece layout: pad 0 (also the decoder start), eos 1, unk 2, no bos.
+T5_IDS = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+# MADLAD-400's target-language tokens look like this; a few of them in the tiny fixture.
+TARGET_TOKEN = "<2{}>"
+_FIXTURE_LANGUAGES = ("zh", "en", "de", "fr", "ja", "es")
+
+
+@dataclass(frozen=True)
+class T5Fixture:
+    """A random-weight T5 folder: a unigram sentencepiece model trained on both sides of a corpus
+    sample (T5's ids: pad 0, eos 1, unk 2), MADLAD's `<2xx>` tokens where `target_tokens`, and the
+    model saved tied (the output layer is the embedding, rescaled) or untied as `config` says."""
+
+    config: dict
+    spm_size: int
+    sample_pairs: int
+    target_tokens: bool = False
+    extra_ids: int = 0
+    generation: dict = field(default_factory=dict, hash=False)
+
+    def write_tokenizer(self, out: Path, pairs: list[tuple[str, str]]):
+        import sentencepiece as spm
+        import transformers
+
+        symbols = [TARGET_TOKEN.format(code) for code in _FIXTURE_LANGUAGES] if self.target_tokens else []
+        with tempfile.TemporaryDirectory(prefix="spm-") as work:
+            work = Path(work)
+            text = work / "corpus.txt"
+            text.write_text("\n".join(x for pair in pairs for x in pair) + "\n", encoding="utf-8")
+            spm.SentencePieceTrainer.train(
+                input=str(text), model_prefix=str(work / "spiece"), model_type="unigram", vocab_size=self.spm_size,
+                character_coverage=0.98, hard_vocab_limit=False, num_threads=1, minloglevel=2, input_sentence_size=0,
+                pad_id=0, eos_id=1, unk_id=2, bos_id=-1, user_defined_symbols=symbols,
+            )
+            (work / "tokenizer_config.json").write_text(
+                json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": self.extra_ids,
+                            "model_max_length": T5_POSITIONS}), encoding="utf-8")
+            tokenizer = transformers.T5Tokenizer.from_pretrained(str(work))
+            tokenizer.save_pretrained(str(out))
+        tokenizer = transformers.T5Tokenizer.from_pretrained(str(out))
+        text = (TARGET_TOKEN.format("zh") + " " if self.target_tokens else "") + "Click OK to save the document."
+        ids = tokenizer(text).input_ids
+        if ids[-1] != tokenizer.eos_token_id or tokenizer.unk_token_id in ids or (
+                self.target_tokens and tokenizer.convert_ids_to_tokens(ids[0]) != TARGET_TOKEN.format("zh")):
+            raise AssertionError(f"T5Tokenizer fixture encodes {text!r} as {ids}")
+        return tokenizer
+
+    def build(self, out: Path, pairs: list[tuple[str, str]], seed: int) -> None:
+        import torch
+        import transformers
+        from safetensors.torch import load_file, save_file
+
+        tokenizer = self.write_tokenizer(out, pairs)
+        config = transformers.T5Config(**{**self.config, **T5_IDS, "vocab_size": self.config.get("vocab_size") or len(tokenizer)},
+                                       architectures=["T5ForConditionalGeneration"])
+        tied = self.config.get("tie_word_embeddings", True)
+        torch.manual_seed(seed)
+        model = transformers.T5ForConditionalGeneration(config).eval()
+        for key, value in {**T5_IDS, **self.generation}.items():
+            setattr(model.generation_config, key, value)
+        model.save_pretrained(out, safe_serialization=True)
+        if not tied:
+            # transformers ties T5's output layer to the embedding whatever the config says, unless the
+            # checkpoint holds an lm_head of its own: write one, as MADLAD's and T5 v1.1's files do.
+            weights = out / "model.safetensors"
+            tensors = load_file(str(weights))
+            generator = torch.Generator().manual_seed(seed + 1)
+            tensors["lm_head.weight"] = torch.randn(tensors["shared.weight"].shape, generator=generator)
+            save_file(tensors, str(weights), metadata={"format": "pt"})
+            data = json.loads((out / "config.json").read_text(encoding="utf-8"))
+            data["tie_word_embeddings"] = False
+            data.pop("scale_decoder_outputs", None)
+            (out / "config.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+_TINY = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4,
+         "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "dropout_rate": 0.1,
+         "layer_norm_epsilon": 1e-6}
+_FILES = ("tokenizer_config.json", frozenset({"tokenizer.json", "spiece.model"}))
+
+T5 = Family(
+    name="t5",
+    title="T5/MADLAD-400",
+    model_type="t5",
+    architecture="T5ForConditionalGeneration",
+    tokenizer_classes=("T5Tokenizer", "T5TokenizerFast"),
+    pre_norm=True,
+    positions="relative",
+    position_offset=0,
+    embedding_norm=False,
+    final_norm=True,
+    logits_bias=False,
+    layout=T5_LAYOUT,
+    label="T5",
+    tokenizer_files=_FILES,
+    target_token=TARGET_TOKEN,
+    default_tgt_lang="zh",
+    example_hub_ids=("google/madlad400-3b-mt", "google-t5/t5-small"),
+    fixtures={
+        # Original T5: ReLU, the output layer tied to the embedding (and rescaled), 100 sentinel ids.
+        "t5-tiny": T5Fixture(config={**_TINY, "feed_forward_proj": "relu"}, spm_size=2000, sample_pairs=4000,
+                             extra_ids=100),
+        # MADLAD-400's structure: gated-GELU, d_kv not d_model / heads, an untied output layer, `<2xx>` tokens.
+        "madlad-tiny": T5Fixture(config={**_TINY, "d_kv": 16, "feed_forward_proj": "gated-gelu",
+                                         "tie_word_embeddings": False},
+                                 spm_size=2000, sample_pairs=4000, target_tokens=True),
+    },
+)
+
