@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from families import target_token
+
 from .generation import (
     GENERATE_DEFAULTS,
     SUPPORTED_GENERATION,
@@ -79,7 +81,7 @@ def source_prefix(languages: dict | None) -> str | None:
     there (MADLAD-400); None otherwise."""
     if not languages or not languages.get("target_token"):
         return None
-    return languages["target_token"].format(languages["tgt_lang"]) + " "
+    return target_token.source_prefix(languages["target_token"], languages["tgt_lang"])
 
 
 def _is_set(value: Any) -> bool:

@@ -4,10 +4,10 @@ registry (`families/`), with a tokenizer that matches its vocabulary."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from families import Family, UnsupportedArchitecture, default_languages, family_of, supported
+from families.target_token import TargetPrefixed, source_prefix, target_codes
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -79,41 +79,10 @@ def language_codes(tokenizer) -> dict[str, int]:
     return {code: int(i) for code, i in zip(extra, ids) if i is not None and i != tokenizer.unk_token_id}
 
 
-def target_codes(tokenizer, template: str) -> dict[str, int]:
-    """{code: id} of the vocabulary's target-language tokens of the family's form ("<2{}>": <2zh>, <2de>...)."""
-    prefix, suffix = template.split("{}")
-    form = re.compile(re.escape(prefix) + r"([A-Za-z][A-Za-z0-9_-]*)" + re.escape(suffix))
-    found = {}
-    for token, i in tokenizer.get_vocab().items():
-        match = form.fullmatch(token)
-        if match:
-            found[match.group(1)] = int(i)
-    return dict(sorted(found.items()))
-
-
-class TargetPrefixed:
-    """The source's tokenizer with the target-language token before every text, as MADLAD-400 is
-    used ("<2zh> " + text); everything else is the tokenizer's own."""
-
-    def __init__(self, tokenizer, prefix: str):
-        self._tokenizer = tokenizer
-        self.prefix = prefix
-
-    def __call__(self, text, *args, **kwargs):
-        texts = self.prefix + text if isinstance(text, str) else [self.prefix + t for t in text]
-        return self._tokenizer(texts, *args, **kwargs)
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 def _target_token_languages(tokenizer, family: Family, src_lang, tgt_lang, where: str):
     """(languages, tokenizer) of a family whose target language is a token before the source: its
     codes from the vocabulary, and the tokenizer prefixing each text with the chosen one."""
-    codes = target_codes(tokenizer, family.target_token)
+    codes = target_codes(tokenizer.get_vocab(), family.target_token)
     if src_lang:
         raise SourceError(f"{where}: a {family.title} model reads the source language from the text itself; "
                           "--src-lang does not apply")
@@ -126,7 +95,7 @@ def _target_token_languages(tokenizer, family: Family, src_lang, tgt_lang, where
     if tgt_lang not in codes:
         raise SourceError(f"{where}: unknown target language {tgt_lang!r}; the tokenizer knows: {', '.join(codes)}")
     languages = {"src_lang": None, "tgt_lang": tgt_lang, "codes": codes, "target_token": family.target_token}
-    return languages, TargetPrefixed(tokenizer, family.target_token.format(tgt_lang) + " ")
+    return languages, TargetPrefixed(tokenizer, source_prefix(family.target_token, tgt_lang))
 
 
 def check_languages(codes: dict[str, int], src_lang: str | None, tgt_lang: str | None, where: str) -> None:

@@ -326,7 +326,7 @@ def test_existing_output_needs_force(tiny_model_dir, tiny_export_dir, capsys):
 
 
 def test_unsupported_architecture_names_the_supported_one(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "fsmt", "architectures": ["FSMTForConditionalGeneration"]}))
     with pytest.raises(SourceError, match="supported: MarianMTModel"):
         check_local_folder(tmp_path)
 

@@ -299,10 +299,11 @@ def test_a_tokenizer_that_does_not_match_the_vocabulary_is_refused(tmp_path):
 def test_unsupported_architectures_list_every_supported_family(tmp_path):
     from export.source import SourceError, check_local_folder
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "fsmt", "architectures": ["FSMTForConditionalGeneration"]}))
     with pytest.raises(SourceError) as e:
         check_local_folder(tmp_path)
-    for name in ("MarianMTModel", "M2M100ForConditionalGeneration", "MBartForConditionalGeneration"):
+    for name in ("MarianMTModel", "M2M100ForConditionalGeneration", "MBartForConditionalGeneration",
+                 "T5ForConditionalGeneration"):
         assert name in str(e.value)
 
 

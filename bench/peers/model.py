@@ -17,7 +17,7 @@ from pathlib import Path
 class PeerModel:
     source: Path  # the model folder the export was made from: weights, config.json, tokenizer
     src_lang: str | None = None  # the tokenizer's source language code (families with codes)
-    tgt_lang: str | None = None  # the target's code, forced as the first generated token
+    tgt_lang: str | None = None  # the target's code, forced first (or its token before the source: MADLAD-400)
 
     @classmethod
     def of_export(cls, manifest) -> "PeerModel":
@@ -53,11 +53,16 @@ class PeerModel:
         if name not in family.tokenizer_classes and name.removesuffix("Fast") not in family.tokenizer_classes:
             raise ValueError(f"{self.source}: tokenizer {name} is not one of the {family.title} family's: "
                              f"{', '.join(family.tokenizer_classes)}")
+        if family.target_token and self.tgt_lang:  # MADLAD-400: the target's token before every source
+            from families.target_token import TargetPrefixed, source_prefix
+
+            return TargetPrefixed(tokenizer, source_prefix(family.target_token, self.tgt_lang))
         return tokenizer
 
     def forced_bos(self, tokenizer) -> int | None:
-        """The id generation forces first: the target language's code, None for a family without codes."""
-        if not self.tgt_lang:
+        """The id generation forces first: the target language's code, None for a family without codes
+        or one whose target is a token before the source."""
+        if not self.tgt_lang or self.family().target_token:
             return None
         token_id = tokenizer.convert_tokens_to_ids(self.tgt_lang)
         if token_id in (None, tokenizer.unk_token_id):
