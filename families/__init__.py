@@ -3,7 +3,7 @@
 An entry (`family.py`) names the family's transformers classes and tokenizer files, the flags the
 export-friendly forward passes read (`export/wrappers.py`: norm order, positions, embedding scale
 and norm, final norms, logits bias, each checked against transformers' own modeling files), the
-layout its graphs and module names follow (`bart.py`), how the app names it, and its fixtures.
+layout its graphs and module names follow (`bart.py`, `t5.py`), how the app names it, and its fixtures.
 Adding a family is a module here with its entry, and its name in `FAMILIES` below; a family with
 a layout of its own also brings its graph wrappers (and, for another attention core, the fusion
 that matches it) as modules of their own. Nothing else branches on a family's name.
