@@ -199,3 +199,22 @@ def test_ort_path_imports_no_torch(madlad):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("False"), out.stdout + out.stderr
+
+
+def test_the_fp16_guard_keeps_t5s_overflowing_feed_forward_in_fp32():
+    """`madlad-tiny-overflow`: the last decoder block's gated feed-forward peaks past fp16's range
+    (its linear branch scaled up, `wo` down: fp32 decodes as before), T5's known overflow. The guard
+    keeps exactly that block's nodes in fp32 and the fp16 backend stays identical to generate()."""
+    model_dir, export_dir = _folders("madlad-tiny-overflow")
+    manifest = load_manifest(export_dir)
+    assert manifest.data["verification"]["passed"] and manifest.data["verification"]["fp16"]["nonfinite"] is None
+    guard = manifest.data["fp16"]["guard"]
+    largest = guard["largest"]["decoder"]
+    assert largest["max_abs"] > 1e5 and largest["module"].startswith("block.1.layer.2.DenseReluDense")
+    kept = {(k["module"], k["op"]) for k in guard["kept"]["decoder"]}
+    assert ("block.1.layer.2.DenseReluDense.wi_1", "MatMul") in kept and ("block.1.layer.2.DenseReluDense.wo", "MatMul") in kept
+    assert all(m.startswith("block.1.layer.2.DenseReluDense") for m, _ in kept) and guard["kept"]["encoder"] == []
+    texts = dev_sentences(8)
+    expected = _generate(model_dir, texts, "<2zh> ", num_beams=1)
+    backend = load_backends(export_dir, names=("ort_fp16",), session=SessionConfig(threads=1))["ort_fp16"]
+    assert [t.token_ids for t in backend.translate(texts, max_new_tokens=MAX_NEW, num_beams=1)] == expected
