@@ -18,9 +18,9 @@ from .family import Family, Layout
 from .m2m_100 import M2M100
 from .marian import MARIAN
 from .mbart import MBART
-from .t5 import T5
+from .t5 import MT5, T5
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (MARIAN, M2M100, MBART, T5)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (MARIAN, M2M100, MBART, T5, MT5)}
 
 # The embedded model's family: what a model folder without a sidecar, or a sidecar without a
 # "family" section, holds.

@@ -1,4 +1,5 @@
-"""T5 (`T5ForConditionalGeneration`: T5, T5 v1.1, MADLAD-400), with a layout of its own, not BART's:
+"""T5 (`T5ForConditionalGeneration`: T5, T5 v1.1, MADLAD-400) and mT5 (`MT5ForConditionalGeneration`,
+the same modules), with a layout of their own, not BART's:
 relative position buckets (one bias table per stack, in its first block, shared by the others), RMS LayerNorm without bias before each sub-layer and after each stack,
 unscaled attention scores, a ReLU (T5) or gated-GELU (v1.1, mT5, MADLAD) feed-forward, the output
 layer rescaled by `d_model ** -0.5` when it is tied to the embedding, and the decoder starting from
@@ -104,6 +105,7 @@ class T5Fixture:
     target_tokens: bool = False
     extra_ids: int = 0
     generation: dict = field(default_factory=dict, hash=False)
+    architecture: str = "T5ForConditionalGeneration"  # or mT5's class, the same layout
 
     def write_tokenizer(self, out: Path, pairs: list[tuple[str, str]]):
         import sentencepiece as spm
@@ -138,11 +140,13 @@ class T5Fixture:
         from safetensors.torch import load_file, save_file
 
         tokenizer = self.write_tokenizer(out, pairs)
-        config = transformers.T5Config(**{**self.config, **T5_IDS, "vocab_size": self.config.get("vocab_size") or len(tokenizer)},
-                                       architectures=["T5ForConditionalGeneration"])
+        model_class = getattr(transformers, self.architecture)
+        config = model_class.config_class(
+            **{**self.config, **T5_IDS, "vocab_size": self.config.get("vocab_size") or len(tokenizer)},
+            architectures=[self.architecture])
         tied = self.config.get("tie_word_embeddings", True)
         torch.manual_seed(seed)
-        model = transformers.T5ForConditionalGeneration(config).eval()
+        model = model_class(config).eval()
         for key, value in {**T5_IDS, **self.generation}.items():
             setattr(model.generation_config, key, value)
         model.save_pretrained(out, safe_serialization=True)
@@ -196,3 +200,27 @@ T5 = Family(
     },
 )
 
+
+# mT5: T5 v1.1's structure under its own class and model_type; its checkpoints are untied and never
+# rescale the output layer's input. No language codes (a task prefix, if any, is the user's text).
+MT5 = Family(
+    name="mt5",
+    title="mT5",
+    model_type="mt5",
+    architecture="MT5ForConditionalGeneration",
+    tokenizer_classes=("T5Tokenizer", "T5TokenizerFast"),
+    pre_norm=True,
+    positions="relative",
+    position_offset=0,
+    embedding_norm=False,
+    final_norm=True,
+    logits_bias=False,
+    layout=T5_LAYOUT,
+    label="mT5",
+    tokenizer_files=_FILES,
+    example_hub_ids=("google/mt5-small",),
+    fixtures={
+        "mt5-tiny": T5Fixture(config={**_TINY, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+                              spm_size=2000, sample_pairs=4000, architecture="MT5ForConditionalGeneration"),
+    },
+)

@@ -1,15 +1,17 @@
 """The T5 family (families/t5.py, export/t5_wrappers.py): `t5-tiny` (original T5: ReLU, the output
-layer tied to the embedding and rescaled) and `madlad-tiny` (MADLAD-400's structure: gated-GELU,
-d_kv apart from d_model / heads, an untied output layer, `<2xx>` target tokens before the source),
+layer tied to the embedding and rescaled), `madlad-tiny` (MADLAD-400's structure: gated-GELU,
+d_kv apart from d_model / heads, an untied output layer, `<2xx>` target tokens before the source)
+and `mt5-tiny` (mT5's class and model_type: gated-GELU, untied),
 through the whole export and every backend, against transformers' own generate() fed by the HF
 tokenizer itself (so the target token's placement is checked, not assumed).
 
-Cost: two fixture builds (~15 CPU-s each) and two exports (~60 CPU-s each), cached across runs.
+Cost: four fixture builds (~15-40 CPU-s each) and four exports (~60-75 CPU-s each), cached across runs.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 FP32 = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
 MAX_NEW = 30
-FIXTURES = ("t5-tiny", "madlad-tiny")
+FIXTURES = ("t5-tiny", "madlad-tiny", "mt5-tiny")
 
 
 def _make(name: str, folder: Path) -> None:
@@ -58,7 +60,8 @@ def _generate(model_dir: Path, texts: list[str], prefix: str, **options) -> list
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     tokenizer = transformers.T5Tokenizer.from_pretrained(model_dir)
-    model = transformers.T5ForConditionalGeneration.from_pretrained(model_dir).eval()
+    architecture = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(model_dir).eval()
     batch = tokenizer([prefix + t for t in texts], padding=True, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**batch, do_sample=False, max_new_tokens=MAX_NEW, **options)
@@ -94,12 +97,17 @@ def test_export_verifies_within_1e4_with_fused_attention(t5_folders):
 def test_the_sidecar_records_t5s_shape_ids_and_languages(t5_folders):
     model_dir, export_dir = t5_folders
     m = load_manifest(export_dir)
-    assert m.family == "t5" and m.data["family"]["positions"] == "relative" and m.data["family"]["pre_norm"]
+    assert m.family == ("mt5" if export_dir.name == "mt5-tiny" else "t5")
+    assert m.data["family"]["positions"] == "relative" and m.data["family"]["pre_norm"]
     assert (m.special.decoder_start, m.special.pad, m.special.eos) == (0, 0, 1)
     assert m.generation.forced_bos_token_id is None  # a target token goes before the source, nothing is forced
     model = m.data["model"]
     if export_dir.name == "t5-tiny":
         assert (model["activation_function"], model["output_scaled"], model["head_dim"]) == ("relu", True, 8)
+        assert m.languages is None
+    elif export_dir.name == "mt5-tiny":  # T5 v1.1's structure under its own class: untied, never rescaled
+        assert (m.architecture, model["activation_function"], model["output_scaled"]) == (
+            "MT5ForConditionalGeneration", "gated-gelu", False)
         assert m.languages is None
     else:
         assert (model["activation_function"], model["output_scaled"], model["head_dim"]) == ("gated-gelu", False, 16)
