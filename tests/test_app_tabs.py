@@ -271,14 +271,18 @@ def test_quick_benchmark_count_is_validated(tiny_backends, tmp_path, count):
 def test_app_has_the_tabs_and_their_runs_share_the_model_slot(tiny_backends, tmp_path):
     demo = build_app(loaded_app(tiny_backends, tmp_path))
     labels = [b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"]
-    assert labels == ["Compare", "Benchmark", "Batch spot-check"]
+    assert labels == ["Compare", "Benchmark", "Batch spot-check", "Translate"]
     model_fns = {f.name for f in demo.fns.values() if f.concurrency_id == "model"}
     assert {"translate_ui", "run", "on_run"} <= model_fns  # the compare, quick-run and spot-check events
     for f in demo.fns.values():
         if f.concurrency_id == "model":
             assert f.concurrency_limit == 1
     public = [f.api_name for f in demo.fns.values() if f.api_visibility == "public"]
-    assert public == ["compare"]  # the tabs add no API endpoint
+    assert public == ["compare", "translate"]  # the other tabs add no API endpoint
+    # translate: batched by Gradio's queue, in a slot of its own, page and API alike
+    batched = [f for f in demo.fns.values() if f.concurrency_id == "translate"]
+    assert {f.name for f in batched} == {"translate_page", "translate_api"} and len(batched) == 3  # click, submit, API
+    assert all(f.batch and f.max_batch_size == 32 and f.concurrency_limit == 1 for f in batched)
 
 
 @pytest.mark.parametrize(
