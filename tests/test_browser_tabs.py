@@ -17,7 +17,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from app import CSS, Loaded, build_app
-from conftest import DEV_TSV
+from conftest import DEV_TSV, REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIMEOUT_MS = 120_000
@@ -95,6 +95,16 @@ def test_benchmark_tab_runs_two_sentences_and_shows_the_saved_report(page, resul
     page.get_by_role("tab", name="Benchmark").click()
     page.locator("#bench-header").get_by_text("No benchmark report yet").wait_for()
     assert "python -m bench speed" in page.locator("#bench-header").inner_text()
+    # a fresh start: the shipped reference results, marked as measured elsewhere
+    reference = json.loads((REPO / "assets" / "reference-results.json").read_text(encoding="utf-8"))
+    greedy = reference["runs"][0]
+    page.locator("#bench-header").get_by_text("Reference results, not measured on this host").wait_for()
+    assert table_headers(page, "bench-table") == greedy["columns"]
+    assert table_rows(page, "bench-table") == greedy["rows"]
+    for run in reference["runs"][1:]:
+        page.locator("#bench-method").get_by_text(f"{run['title']}: reference, not measured on this host").wait_for()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(artifacts_dir / "test-tab-benchmark-reference.png"), full_page=True)
 
     page.locator("#bench-count input").fill("25")
     page.locator("#bench-run").click()
