@@ -1,4 +1,4 @@
-"""The Benchmark and Batch spot-check tabs in a real browser (Debian's Chromium, headless).
+"""The Benchmark, Batch spot-check and Translate tabs in a real browser (Debian's Chromium, headless).
 
 The app is built in process on the tiny test model, with its reports in a temporary folder (so a
 test never replaces the repository's newest report). Each tab is opened, a 2-sentence run is made,
@@ -167,3 +167,20 @@ def test_spotcheck_tab_runs_two_sentences_and_downloads_the_report(page, artifac
     shot = artifacts_dir / "test-tab-spotcheck.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 30_000
+
+
+def test_translate_tab_answers_with_the_default_backend_and_refuses_empty_input(page, tiny_backends):
+    from service.translate import translate_batch
+
+    page.get_by_role("tab", name="Translate").click()
+    page.locator("#translate-input textarea").fill("Open the file.")
+    page.locator("#translate-go").click()
+    page.locator("#translate-status").get_by_text("decoded in").wait_for()
+    assert page.locator("#translate-status").inner_text().startswith("ORT fp32 · KV cache, greedy: decoded in")
+    [alone] = translate_batch(tiny_backends, ["Open the file."], backend_names=["ort_fp32_kv_cache"], max_new_tokens=6)
+    assert page.locator("#translate-output textarea").input_value() == alone.to_json()["text"]
+
+    page.locator("#translate-input textarea").fill("")
+    page.locator("#translate-go").click()
+    page.locator("#translate-status").get_by_text("the input is empty").wait_for()
+    assert page.locator("#translate-output textarea").input_value() == ""

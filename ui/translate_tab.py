@@ -8,8 +8,6 @@ translate batch can run while a comparison does; the comparison's timings then s
 
 from __future__ import annotations
 
-import html
-
 import gradio as gr
 
 from backends.memory import trim_heap
@@ -48,7 +46,7 @@ def build(loaded: Loaded) -> None:
                 go = gr.Button("Translate", variant="primary", elem_id="translate-go")
                 backend = gr.Dropdown(
                     [(LABELS.get(n, n), n) for n in names], value=default, label="backend",
-                    info=f"default: {html.escape(LABELS.get(default, default) if default else 'none')}: {why}",
+                    info=f"default: {LABELS.get(default, default) if default else 'none'}: {why}",
                     elem_id="translate-backend",
                 )
                 decoding = gr.Dropdown(decoding_choices(loaded), value=0, label="decoding",
