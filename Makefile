@@ -1,6 +1,8 @@
-# `make run`: the app on the embedded model. `make test`: the whole test suite, with the peer
-# environment (.venv-bench) first, so the tests that make Optimum / CTranslate2 conversions run
-# rather than skip (CI is a fresh machine; the app itself never needs .venv-bench).
+# `make run`: the app on the embedded model (`make setup`: requirements.txt alone, what a Space
+# installs). `make test`: the whole test suite, with the test tools and the corpus engine
+# (requirements-test.txt, requirements-engine.txt) and the peer environment (.venv-bench) first, so
+# the tests that make Optimum / CTranslate2 conversions run rather than skip (CI is a fresh
+# machine; the app itself never needs .venv-bench).
 # `make test-fast`: the unit tier for the edit loop (no slow, browser, peers or ray test; the tiny
 # export is built once and kept in test-artifacts/cache/ until the code it comes from changes).
 PYTHON ?= python3
@@ -8,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: setup run test test-fast export-fixture bench-venv bench bench-opus clean
+.PHONY: setup engine test-tools run test test-fast export-fixture bench-venv bench bench-opus clean
 
 # No byte-compiling at install: a test run imports about a fifth of the files pip would compile,
 # and Python compiles those on first import. `make -j2 setup bench-venv` makes both environments at once.
@@ -21,17 +23,28 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt
 	touch $@
 
+# The corpus engine (bench quality, Ray Data) and the test tools: into the same venv, on top of the app's.
+engine: $(VENV)/.installed-engine
+$(VENV)/.installed-engine: requirements-engine.txt $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt
+	touch $@
+
+test-tools: $(VENV)/.installed-test
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed-engine
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt -r requirements-test.txt
+	touch $@
+
 run: setup
 	$(PY) app.py
 
 # Two workers, one per core, each test file on one worker: its module fixtures are built once,
 # and the exports both workers need are shared through tests/conftest.py's on-disk cache.
 XDIST := -n 2 --dist loadfile
-test: setup bench-venv
+test: test-tools bench-venv
 	$(PY) -m pytest $(XDIST) --durations=20
 
 FAST := not slow and not browser and not peers and not ray
-test-fast: setup
+test-fast: test-tools
 	$(PY) -m pytest -q $(XDIST) -m "$(FAST)"
 
 # The opus-mt-sized random fixture and its export, for benchmarks at real scale.
@@ -52,7 +65,7 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 # `python -m bench speed` without --backends times it). Medians of 3 rounds, run round-robin; then
 # each target against a peer again as back-to-back pairs of processes (--paired-rounds), which decide it.
 SPEED_BACKENDS := pytorch,ort_fp32_kv_cache,ort_fp16,ort_int8
-bench: setup bench-venv
+bench: engine bench-venv
 	$(PY) -m bench speed --peers --rounds 3 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --paired-rounds 10 --out bench-results/embedded
 	$(PY) -m bench speed --peers --num-beams 4 --quick --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --paired-rounds 6 --out bench-results/embedded-beam4
 	$(PY) -m bench quality --out bench-results/embedded-quality
@@ -64,7 +77,7 @@ runs/fixtures/opus-mt-random/config.json: | setup
 # CTranslate2), no length sweep (`python -m bench speed --model ... --peers` runs everything). The beam
 # targets are paired; the batch-32 targets are the embedded model's (make bench), so not paired here.
 OPUS_PEERS := transformers,ct2_float32,ct2_int8
-bench-opus: setup bench-venv runs/fixtures/opus-mt-random/config.json
+bench-opus: engine bench-venv runs/fixtures/opus-mt-random/config.json
 	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --batch-sizes 32 --throughput-sentences 32 --sweep '' --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --out bench-results/opus-mt-random
 	$(PY) -m bench speed --model runs/fixtures/opus-mt-random --forced-tokens 40 --quick --num-beams 4 --batch-sizes 4 --throughput-sentences 8 --backends $(SPEED_BACKENDS) --peers --peer-list $(OPUS_PEERS) --rounds 3 --paired-rounds 5 --out bench-results/opus-mt-random-beam4
 

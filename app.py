@@ -27,7 +27,7 @@ import gradio as gr
 from backends.memory import limit_arenas
 from corpus import read_sentences
 from service import RequestLimits
-from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab
+from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab, translate_tab
 from ui.compare_render import CSS, LABELS
 from ui.state import REPO, Loaded, model_heading
 
@@ -41,8 +41,9 @@ __all__ = ["CSS", "Loaded", "build_app", "main"]
 
 
 def build_app(loaded: Loaded) -> gr.Blocks:
-    """The page: a header naming the model and what loaded, then the Compare, Benchmark and Batch
-    spot-check tabs. Every tab's model work shares one slot (concurrency_id "model")."""
+    """The page: a header naming the model and what loaded, then the Compare, Benchmark, Batch
+    spot-check and Translate tabs. Every tab's model work shares one slot (concurrency_id "model"),
+    except Translate's batched decodes, which have their own ("translate")."""
     names = loaded.names
     heading = model_heading(loaded.manifest)  # "NLLB-200 eng_Latn→zho_Hans", "Marian en→zh"
     with gr.Blocks(title=f"{heading}: PyTorch vs ONNX Runtime") as demo:
@@ -60,6 +61,7 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             compare_tab.build(loaded)
             benchmark_tab.build(loaded)
             spotcheck_tab.build(loaded)
+            translate_tab.build(loaded)
     return demo
 
 

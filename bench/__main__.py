@@ -6,6 +6,7 @@
                           [--external NAME=DIR ...] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
+                          [--target compare|translate] [--duration S] [--baseline-export DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
 
 Each writes results.json and report.md (speed: also PNG plots) into --out, by default
@@ -202,7 +203,8 @@ def load(args) -> int:
         url=args.url, launch_args=tuple(app_args) if args.launch else None, pid=args.pid, users=args.users,
         requests=args.requests, timeout_s=args.timeout, deadline_s=args.deadline, busy_backoff_s=args.busy_backoff,
         think_s=args.think, warmup=args.warmup, rss_every=args.rss_every, repeat=args.repeat, tsv=args.tsv,
-        seed=args.seed, start_timeout_s=args.start_timeout)
+        seed=args.seed, start_timeout_s=args.start_timeout, target=args.target, duration_s=args.duration,
+        baseline_export=args.baseline_export, threads=args.baseline_threads)
     results = load_mod.run(options, args.out, log=lambda m: print(m, flush=True))
     print(summary_table(results))
     print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}", flush=True)
@@ -308,14 +310,23 @@ def main(argv=None) -> int:
     tp.add_argument("results", type=Path, help="a speed run's folder or its results.json")
     tp.set_defaults(func=table)
 
-    lp = sub.add_parser("load", help="concurrent users against the app's `compare` API: latency, busy, errors, RSS")
+    lp = sub.add_parser("load", help="concurrent users against the app's `compare` or `translate` API: latency, "
+                        "busy, errors, RSS")
     target = lp.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running app, e.g. http://127.0.0.1:7860/")
     target.add_argument("--launch", action="store_true", help="start app.py (arguments after -- go to it: "
                         "`--launch -- --queue-size 4`), drive it, stop it")
     lp.add_argument("--pid", type=int, help="with --url: the app's process id, for its memory (children included)")
     lp.add_argument("--users", type=int, default=16, help="concurrent clients, one request in flight each")
-    lp.add_argument("--requests", type=int, default=400, help="requests in all, busy rejections included")
+    lp.add_argument("--requests", type=int, default=400, help="requests in all, busy rejections included (with "
+                    "--duration: at most)")
+    lp.add_argument("--target", choices=("compare", "translate"), default="compare",
+                    help="the endpoint: compare (every backend) or translate (one sentence per request, batched)")
+    lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
+    lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "
+                    "at batch 32 from this export (the one the app serves) on the same sentences")
+    lp.add_argument("--baseline-threads", type=int, help="the baseline's threads (default: physical cores, as the "
+                    "app's --threads)")
     lp.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is cancelled")
     lp.add_argument("--deadline", type=float, default=1800.0, help="seconds after which no request is sent")
     lp.add_argument("--busy-backoff", type=float, default=1.0, help="seconds a user waits after a busy answer")

@@ -1,16 +1,18 @@
-"""python -m bench load: many users at once against the app's `compare` endpoint, through gradio_client.
+"""python -m bench load: many users at once against the app's `compare` or `translate` endpoint, through
+gradio_client.
 
 Each user is one `gradio_client.Client` (its own session) in its own thread, sending one request
 at a time and the next as soon as the answer is in (a closed loop). Every request ends as exactly
 one of:
 
-  ok      the final JSON arrived and no backend in it reports an error
+  ok      the final JSON arrived and no backend in it reports an error (translate: its `error` is null)
   busy    the app's queue was full: gradio answers HTTP 503 and gradio_client raises
           `QueueError("Queue is full! Please try again.")` (checked against gradio 6.31 /
           gradio_client 2.7.2); the user waits `busy_backoff_s` before its next request
   error   anything else, by kind: `timeout` (no final answer within `timeout_s`; the job is then
-          cancelled), `backend_error` (the JSON names a failed backend), `malformed_answer`, or the
-          exception's type (`AppError` for an error the app raised, e.g. on an empty input)
+          cancelled), `backend_error` (the JSON names a failed backend), `refused` (translate: the
+          answer's `error` refuses the request), `malformed_answer`, or the exception's type
+          (`AppError` for an error the app raised, e.g. on an empty input)
 
 Time per request, from three clocks:
 
@@ -19,7 +21,12 @@ Time per request, from three clocks:
   service      `process_starts` -> `process_completed` (status FINISHED)
   compute      the sum over backends of their own translate timings (`runs.totals_ms`, the hot path);
                service - compute is the rest of the server's work: teacher-forced scoring and
-               alignment for the divergence view, JSON, the streamed diffs
+               alignment for the divergence view, JSON, the streamed diffs. translate: the wall time
+               of the decode the request shared with the others batched with it (`timings_ms.decode`)
+
+`--target translate` sends one sentence per request to the `translate` endpoint (the app's default
+backend and decoding), which Gradio batches; each answer's `batch.decoded_together` is recorded.
+`duration_s` runs for that many seconds after the warm-up instead of a number of requests.
 
 The status times are stamped by gradio_client's per-job worker, which polls for messages every 50 ms,
 so each phase boundary can be late by up to 50 ms; end to end has no such lag at its start.
@@ -42,7 +49,7 @@ from service.environment import environment
 from .data import DEFAULT_TSV
 from .load_results import OUTCOMES, collect, cpu_s
 
-API_NAME = "/compare"
+TARGETS = ("compare", "translate")
 CANCEL_GRACE_S = 10.0  # a cancelled job settles in well under a second when the app is alive
 
 
@@ -65,6 +72,11 @@ class LoadOptions:
     tsv: Path = DEFAULT_TSV
     seed: int = 0
     start_timeout_s: float = 900.0  # with launch: a first start exports the embedded model
+    target: str = "compare"  # the endpoint driven, one of TARGETS
+    duration_s: float | None = None  # send requests for this long after the warm-up (then `requests` is a cap)
+    # translate: after the run, the served backend's offline batch-32 throughput from this export
+    baseline_export: Path | None = None
+    threads: int | None = None  # the baseline's threads: the app's --threads
 
     def __post_init__(self):
         problems = []
@@ -80,6 +92,14 @@ class LoadOptions:
             problems.append(f"--users must be at least 1, got {self.users}")
         if self.requests < self.users:
             problems.append(f"--requests must be at least --users ({self.users}), got {self.requests}")
+        if self.target not in TARGETS:
+            problems.append(f"--target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            problems.append(f"--duration must be positive, got {self.duration_s}")
+        if self.target == "translate" and self.repeat != 1:
+            problems.append("--repeat is the compare endpoint's; translate runs each request once")
+        if self.baseline_export is not None and self.target != "translate":
+            problems.append("--baseline-export is for --target translate")
         for name in ("timeout_s", "deadline_s", "start_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -114,6 +134,9 @@ class Request:
     rank_on_join: int | None = None  # the first queue position the app announced (0 = next)
     tokens: int | None = None  # the longest output among the backends, in tokens
     capped: list[str] | None = None  # backends that stopped at the length cap, not at eos
+    decoded_together: int | None = None  # translate: requests in the decode this one was part of
+    backend: str | None = None  # translate: the backend that answered
+    decoding: dict | None = None  # translate: the decoding it ran (resolved by the app)
 
 
 @dataclass
@@ -187,13 +210,30 @@ def _check(out, req: Request) -> str | None:
     return None
 
 
+def _check_translate(out, req: Request) -> str | None:
+    """Fills compute, tokens and the batch from a translate answer; returns why it is not ok, or None."""
+    if out["error"] is not None:
+        return out["error"]
+    if not out["text"]:
+        raise TypeError("no text and no error")
+    req.compute_ms = out["timings_ms"]["decode"]
+    req.decoded_together = out["batch"]["decoded_together"]
+    req.backend, req.decoding = out["backend"], out["decoding"]
+    req.capped = [out["backend"]] if any(s["stop_reason"] != "eos" for s in out["segments"]) else []
+    return None
+
+
 def one_request(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
     """Send one request and wait for its outcome, never longer than options.timeout_s."""
     from gradio_client.utils import QueueError
 
     req.start_s = round(time.monotonic() - t0, 3)
     sent, start = datetime.now(), time.perf_counter()
-    job = client.submit(text, options.repeat, api_name=API_NAME)
+    translate = options.target == "translate"
+    if translate:
+        job = client.submit(text, api_name="/translate")
+    else:
+        job = client.submit(text, options.repeat, api_name="/compare")
     try:
         out = job.result(timeout=options.timeout_s)
     except QueueError as e:
@@ -205,12 +245,12 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
         req.kind, req.message = type(e).__name__, str(e)[:500]
     else:
         try:
-            failed = _check(out, req)
+            failed = _check_translate(out, req) if translate else _check(out, req)
         except (KeyError, TypeError) as e:
             req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
         else:
             if failed:
-                req.kind, req.message = "backend_error", failed[:500]
+                req.kind, req.message = "refused" if translate else "backend_error", failed[:500]
             else:
                 req.outcome = "ok"
     req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
@@ -268,6 +308,8 @@ def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], 
             warmup.append(one_request(clients[0], texts[i], Request(-1 - w, 0, i), options, t0))
         if pid is not None:
             samples.append({"finished": 0, "after": f"{len(warmup)} warm-up requests", **sample()})
+        if options.duration_s is not None:
+            deadline = min(deadline, time.monotonic() + options.duration_s)
         progress = _Progress(options.requests, deadline, options.rss_every, sample if pid else None, log)
         records: list[Request] = []
         crashes: list[BaseException] = []
@@ -298,6 +340,24 @@ def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], 
                    env, cpu_s(rusage_end) - cpu_s(rusage_start))
 
 
+def baseline(options: LoadOptions, results: dict, log: Callable[[str], None]) -> dict:
+    """The served backend's offline batch-32 throughput on the run's sentences, and the run's share of it."""
+    from .load_baseline import offline_throughput
+
+    served, decodings = results["served"]["backends"], results["served"]["decodings"]
+    if len(served) != 1 or len(decodings) != 1:
+        raise RuntimeError(f"the translate answers named backends {served} and decodings {decodings}; the "
+                           "baseline needs exactly one of each")
+    texts = [p.en for p in default_sample(options.requests, options.tsv, options.seed)]
+    log(f"offline baseline: {served[0]} at batch 32 over {len(texts)} sentences ...")
+    d = decodings[0]
+    b = offline_throughput(options.baseline_export, served[0], texts, threads=options.threads,
+                           num_beams=d["num_beams"], max_new_tokens=d["max_new_tokens"])
+    rate = results["throughput_ok_per_s"]
+    b["load_over_offline"] = round(rate / b["sentences_per_s"], 3) if rate else None
+    return b
+
+
 def run(options: LoadOptions, out: Path, log: Callable[[str], None] = print) -> dict:
     """Attach to options.url or launch the app, drive it, stop what was launched, write the files."""
     from . import load_app, load_report
@@ -318,5 +378,7 @@ def run(options: LoadOptions, out: Path, log: Callable[[str], None] = print) -> 
     if app:
         results["launched"] = {"command": app.command[1:], "ready_s": round(app.ready_s, 1), "stop": stopped,
                                "log": str(app.log)}
+    if options.baseline_export is not None:
+        results["baseline"] = baseline(options, results, log)
     load_report.write(results, out)
     return results

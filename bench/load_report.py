@@ -80,7 +80,7 @@ def render(r: dict) -> str:
                   f"stopped by {la['stop']['signal']}, exit code {la['stop']['returncode']})")
     versions = ", ".join(f"{k} {v}" for k, v in e["versions"].items())
     lines = [
-        "# Load: the `compare` endpoint under concurrent users",
+        f"# Load: the `{r.get('target', 'compare')}` endpoint under concurrent users",
         "",
         f"- App: {target}",
         f"- {o['users']} users, one request in flight each, {o['requests']} requests; per-request timeout "
@@ -117,9 +117,27 @@ def render(r: dict) -> str:
         capped = ", ".join(f"{name} {n}" for name, n in r["capped"].items()) or "none"
         lines += ["", f"Longest output per request (tokens): median {_f(tokens['p50'])}, p99 {_f(tokens['p99'])}, "
                   f"max {_f(tokens['max'])}; requests where a backend stopped at the length cap: {capped}."]
+    lines += translate_lines(r)
     lines += ["", "## App memory", ""] + memory_lines(r)
     lines += ["", "## What is timed", "", r["what_is_timed"], "", "Not measured: " + r["not_measured"] + ".", ""]
     return "\n".join(lines)
+
+
+def translate_lines(r: dict) -> list[str]:
+    """What the translate endpoint's batching did, and the offline batch-32 baseline when measured."""
+    together, base = r.get("decoded_together"), r.get("baseline")
+    out = []
+    if together:
+        served = r["served"]
+        out += ["", f"Requests decoded together (Gradio's batches, per ok request): median {_f(together['p50'])}, "
+                f"mean {_f(together['mean'], 1)}, max {_f(together['max'])}; backend {', '.join(served['backends'])}."]
+    if base:
+        out += ["", f"Offline, the same backend ({base['backend']}) at batch {base['batch_size']} with the same "
+                f"decoding (num_beams {base['num_beams']}, max_new_tokens {base['max_new_tokens']}) on the run's "
+                f"{base['sentences']} sentences: {_f(base['sentences_per_s'], 1)} sentences/s; under load "
+                f"{_f(r['throughput_ok_per_s'], 1)} sentences/s, **{_f(base['load_over_offline'], 2)}×** the offline "
+                "rate (measured after the app stopped, in the load generator's process)."]
+    return out
 
 
 def summary_table(r: dict) -> str:
@@ -129,6 +147,7 @@ def summary_table(r: dict) -> str:
     text = [counts_line(r)]
     for row in rows:  # the label column left-aligned, the numbers right-aligned
         text.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    text += [line for line in translate_lines(r) if line]
     ch = r["memory"]["change"]
     if ch:
         text.append(f"app RSS {ch['from_mb']:,.1f} MB after {ch['from_finished']} requests -> {ch['to_mb']:,.1f} MB "

@@ -84,7 +84,10 @@ def collect(url, options, pid, pairs, warmup, records, samples, stuck, run_s, se
         "sentences": {"tsv": str(options.tsv), "seed": options.seed, "distinct": len(pairs),
                       "drawn": "10-40 English words (corpus.default_sample); request i sends sentence "
                                "i mod distinct"},
-        "counts": {"requests": options.requests, "sent": sent, "not_sent": options.requests - sent,
+        "target": options.target,
+        # with a duration, `requests` is only a cap: what was not sent when the time was up is not missing
+        "counts": {"requests": sent if options.duration_s else options.requests, "sent": sent,
+                   "not_sent": 0 if options.duration_s else options.requests - sent,
                    "finished": len(records), **counts, "error_kinds": kinds,
                    "unfinished_users": stuck},
         "rates": {"error_rate": _rate(counts["error"], len(records)), "busy_rate": _rate(counts["busy"], len(records))},
@@ -102,6 +105,9 @@ def collect(url, options, pid, pairs, warmup, records, samples, stuck, run_s, se
         },
         "queue_rank_on_join": summary([r.rank_on_join for r in ok]),
         "output_tokens": summary([r.tokens for r in ok]),
+        "decoded_together": summary([r.decoded_together for r in ok]),
+        "served": {"backends": sorted({r.backend for r in ok if r.backend}),
+                   "decodings": [dict(d) for d in {tuple(sorted(r.decoding.items())) for r in ok if r.decoding}]},
         "capped": {name: n for name in sorted({c for r in ok for c in r.capped})
                    if (n := sum(name in r.capped for r in ok))},
         "cpu_s": {"app": app_cpu, "load_generator": round(client_cpu_s, 1), "run_s": round(run_s, 1)},

@@ -12,12 +12,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 from gradio_client import Client
 
 from backends import APPROXIMATE, BACKEND_NAMES
-from conftest import EMBEDDED_MODEL, QUEUE_SIZE, REPO, free_port
+from conftest import EMBEDDED_MODEL, QUEUE_SIZE, REPO, dev_sentences, free_port
 
 BACKENDS = list(BACKEND_NAMES)
 FP32 = [n for n in BACKENDS if n != "pytorch" and n not in APPROXIMATE]
@@ -32,8 +33,9 @@ def result(client):
     return client.predict(SENTENCE, api_name="/compare")
 
 
-def test_only_compare_is_in_the_api(client):
-    assert list(client.view_api(print_info=False, return_format="dict")["named_endpoints"]) == ["/compare"]
+def test_only_compare_and_translate_are_in_the_api(client):
+    assert list(client.view_api(print_info=False, return_format="dict")["named_endpoints"]) == [
+        "/compare", "/translate"]
 
 
 def test_compare_returns_every_backend(result, app_model):
@@ -104,6 +106,54 @@ def test_full_queue_answers_busy(client):
     busy = [o for o in outcomes if "Queue is full" in o and "try again" in o]
     assert outcomes.count("ok") >= 1 and busy, outcomes
     assert all(o == "ok" or o in busy for o in outcomes), outcomes
+
+
+# --- translate: Gradio's batching --------------------------------------------------------------------
+
+# Greedy, so 120 sentences fit one request's work limit; long enough (about a second) that requests
+# sent just after it wait together and are handed over as one batch.
+BUSY_TEXT = "\n".join(dev_sentences(120))
+
+
+def while_translate_is_busy(client, *requests):
+    """`requests` ((text, num_beams) each) sent while a long translate request runs; their answers."""
+    busy = client.submit(BUSY_TEXT, 1, api_name="/translate")
+    time.sleep(0.3)  # the long one has started: the next ones wait behind it
+    jobs = [client.submit(*r, api_name="/translate") for r in requests]
+    assert busy.result(timeout=600)["error"] is None
+    return [job.result(timeout=600) for job in jobs]
+
+
+def test_translate_batches_concurrent_requests_each_answered_as_alone(client):
+    short, long = SENTENCE, "Select the cells that you want to copy, then choose Edit - Copy and paste them below."
+    together = while_translate_is_busy(client, (short, None), (long, None))
+    alone = [client.predict(t, api_name="/translate") for t in (short, long)]
+    assert [a["batch"]["decoded_together"] for a in together] == [2, 2], together
+    assert [a["batch"]["decoded_together"] for a in alone] == [1, 1]
+    assert together[0]["backend"] not in APPROXIMATE  # the default: exact, so the answers must be equal
+    for t, a in zip(together, alone):
+        assert t["error"] is None and t["text"] and t["text"] == a["text"]
+        assert t["segments"] == a["segments"] and t["decoding"] == a["decoding"]
+
+
+def test_translate_refuses_a_bad_request_without_failing_its_batch(client):
+    good, bad = while_translate_is_busy(client, (SENTENCE, None), ("\x00\x07 \u200b", None))
+    assert bad["text"] is None and "no visible text" in bad["error"]
+    assert good["error"] is None and good["batch"]["requests"] == 2 and good["batch"]["refused"] == 1
+    assert good["text"] == client.predict(SENTENCE, api_name="/translate")["text"]
+    unknown = client.predict(SENTENCE, None, "ort_nonesuch", api_name="/translate")
+    assert unknown["text"] is None and unknown["error"].startswith("unknown backend 'ort_nonesuch'; expected one of: ")
+
+
+def test_compare_says_when_its_timings_overlapped_translate_traffic(client):
+    busy = client.submit(BUSY_TEXT, 1, api_name="/translate")
+    time.sleep(0.3)
+    out = client.predict(SENTENCE, api_name="/compare")
+    assert busy.result(timeout=600)["error"] is None
+    first = out["backends"]["pytorch"]["warnings"]
+    assert any(w.startswith("timed while 1 translate decode ran") for w in first), first
+    quiet = client.predict(SENTENCE, api_name="/compare")
+    assert not any("translate decode" in w for b in quiet["backends"].values() for w in b["warnings"])
 
 
 def test_backend_that_failed_to_load_is_shown_while_others_work(tiny_backends):

@@ -185,9 +185,69 @@ def test_spot_check_reads_an_uploaded_tsv_with_references(tiny_backends, tmp_pat
 
 
 def test_benchmark_without_report_names_the_command(tiny_backends, tmp_path):
-    v = benchmark_tab.view(loaded_app(tiny_backends, tmp_path / "nothing-yet"))
+    loaded = loaded_app(tiny_backends, tmp_path / "nothing-yet")
+    loaded.reference_results = None
+    v = benchmark_tab.view(loaded)
     assert "No benchmark report yet" in v.header and "`python -m bench speed`" in v.header
     assert v.table is None and v.choices == [] and v.plots == []
+
+
+REFERENCE_RESULTS = Path(__file__).resolve().parent.parent / "assets" / "reference-results.json"
+
+
+def test_a_fresh_start_shows_the_shipped_reference_results(tiny_backends, tmp_path):
+    from service.reference import load_reference
+
+    ref = load_reference(REFERENCE_RESULTS)
+    demo = build_app(loaded_app(tiny_backends, tmp_path / "nothing-yet"))  # as the page first renders
+    by_id = {getattr(b, "elem_id", None): b for b in demo.blocks.values()}
+    header, table, more = by_id["bench-header"].value, by_id["bench-table"], by_id["bench-method"].value
+    greedy, *others = ref["runs"]
+    assert header.startswith("**Reference results, not measured on this host**: Embedded model, greedy, "
+                             "2026-12-03 07:56 UTC, on a 2-core AMD EPYC VM")
+    assert "No benchmark report yet" in header
+    assert "not the model this app serves" in header  # the app serves the tiny model here
+    assert table.visible and table.value["headers"] == greedy["columns"]
+    assert table.value["data"] == greedy["rows"]
+    assert [r[0] for r in greedy["rows"]][:4] == ["pytorch", "ort_fp32_kv_cache", "ort_fp16", "ort_int8"]
+    for run in others:  # beam 4 and load: below, each marked too
+        assert f"#### {run['title']}: reference, not measured on this host" in more
+        assert "| " + " | ".join(run["rows"][-1]) + " |" in more
+
+
+def docs_table(heading: str) -> list[list[str]]:
+    """The rows of the first table after `heading` in docs/benchmarks.md, as the reference file splits them."""
+    doc = (REFERENCE_RESULTS.parent.parent / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    lines = doc[doc.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| run"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if heading != "## Load":  # "`name` (precision)" -> name, precision
+            name, _, precision = cells[0].partition(" ")
+            cells = [name.strip("`"), precision.removeprefix("(").removesuffix(")"), *cells[1:]]
+        rows.append(cells)
+    return rows
+
+
+def test_the_reference_results_are_the_docs_figures():
+    from service.reference import load_reference
+
+    runs = load_reference(REFERENCE_RESULTS)["runs"]
+    assert [r["rows"] for r in runs] == [
+        docs_table("### Embedded model, greedy"), docs_table("### Embedded model, beam 4"), docs_table("## Load")]
+
+
+def test_malformed_reference_results_are_named_not_shown(tiny_backends, tmp_path):
+    bad = tmp_path / "reference.json"
+    bad.write_text('{"what": "x", "runs": [{"title": "t", "columns": ["a", "b"], "rows": [["1"]]}]}')
+    loaded = loaded_app(tiny_backends, tmp_path / "nothing-yet")
+    loaded.reference_results = bad
+    v = benchmark_tab.view(loaded)
+    assert v.table is None and "No benchmark report yet" in v.header
+    assert "malformed reference results: no 'model'" in v.header and "run 1, row 1: 1 cells for 2 columns" in v.header
 
 
 @pytest.fixture(scope="module")
@@ -271,14 +331,18 @@ def test_quick_benchmark_count_is_validated(tiny_backends, tmp_path, count):
 def test_app_has_the_tabs_and_their_runs_share_the_model_slot(tiny_backends, tmp_path):
     demo = build_app(loaded_app(tiny_backends, tmp_path))
     labels = [b.label for b in demo.blocks.values() if type(b).__name__ == "Tab"]
-    assert labels == ["Compare", "Benchmark", "Batch spot-check"]
+    assert labels == ["Compare", "Benchmark", "Batch spot-check", "Translate"]
     model_fns = {f.name for f in demo.fns.values() if f.concurrency_id == "model"}
     assert {"translate_ui", "run", "on_run"} <= model_fns  # the compare, quick-run and spot-check events
     for f in demo.fns.values():
         if f.concurrency_id == "model":
             assert f.concurrency_limit == 1
     public = [f.api_name for f in demo.fns.values() if f.api_visibility == "public"]
-    assert public == ["compare"]  # the tabs add no API endpoint
+    assert public == ["compare", "translate"]  # the other tabs add no API endpoint
+    # translate: batched by Gradio's queue, in a slot of its own, page and API alike
+    batched = [f for f in demo.fns.values() if f.concurrency_id == "translate"]
+    assert {f.name for f in batched} == {"translate_page", "translate_api"} and len(batched) == 3  # click, submit, API
+    assert all(f.batch and f.max_batch_size == 32 and f.concurrency_limit == 1 for f in batched)
 
 
 @pytest.mark.parametrize(

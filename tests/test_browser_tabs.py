@@ -1,4 +1,4 @@
-"""The Benchmark and Batch spot-check tabs in a real browser (Debian's Chromium, headless).
+"""The Benchmark, Batch spot-check and Translate tabs in a real browser (Debian's Chromium, headless).
 
 The app is built in process on the tiny test model, with its reports in a temporary folder (so a
 test never replaces the repository's newest report). Each tab is opened, a 2-sentence run is made,
@@ -17,7 +17,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from app import CSS, Loaded, build_app
-from conftest import DEV_TSV
+from conftest import DEV_TSV, REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 TIMEOUT_MS = 120_000
@@ -95,6 +95,16 @@ def test_benchmark_tab_runs_two_sentences_and_shows_the_saved_report(page, resul
     page.get_by_role("tab", name="Benchmark").click()
     page.locator("#bench-header").get_by_text("No benchmark report yet").wait_for()
     assert "python -m bench speed" in page.locator("#bench-header").inner_text()
+    # a fresh start: the shipped reference results, marked as measured elsewhere
+    reference = json.loads((REPO / "assets" / "reference-results.json").read_text(encoding="utf-8"))
+    greedy = reference["runs"][0]
+    page.locator("#bench-header").get_by_text("Reference results, not measured on this host").wait_for()
+    assert table_headers(page, "bench-table") == greedy["columns"]
+    assert table_rows(page, "bench-table") == greedy["rows"]
+    for run in reference["runs"][1:]:
+        page.locator("#bench-method").get_by_text(f"{run['title']}: reference, not measured on this host").wait_for()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(artifacts_dir / "test-tab-benchmark-reference.png"), full_page=True)
 
     page.locator("#bench-count input").fill("25")
     page.locator("#bench-run").click()
@@ -157,3 +167,20 @@ def test_spotcheck_tab_runs_two_sentences_and_downloads_the_report(page, artifac
     shot = artifacts_dir / "test-tab-spotcheck.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 30_000
+
+
+def test_translate_tab_answers_with_the_default_backend_and_refuses_empty_input(page, tiny_backends):
+    from service.translate import translate_batch
+
+    page.get_by_role("tab", name="Translate").click()
+    page.locator("#translate-input textarea").fill("Open the file.")
+    page.locator("#translate-go").click()
+    page.locator("#translate-status").get_by_text("decoded in").wait_for()
+    assert page.locator("#translate-status").inner_text().startswith("ORT fp32 · KV cache, greedy: decoded in")
+    [alone] = translate_batch(tiny_backends, ["Open the file."], backend_names=["ort_fp32_kv_cache"], max_new_tokens=6)
+    assert page.locator("#translate-output textarea").input_value() == alone.to_json()["text"]
+
+    page.locator("#translate-input textarea").fill("")
+    page.locator("#translate-go").click()
+    page.locator("#translate-status").get_by_text("the input is empty").wait_for()
+    assert page.locator("#translate-output textarea").input_value() == ""

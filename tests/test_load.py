@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -35,6 +36,10 @@ from bench.load_results import memory_change, summary
         (dict(url="http://x/", busy_backoff_s=-1), "busy_backoff_s must be 0 or more"),
         (dict(url="http://x/", repeat=21), "--repeat must be in 1..20"),
         (dict(url="http://x/", rss_every=0), "--rss-every must be at least 1"),
+        (dict(url="http://x/", target="serve"), "--target must be one of compare, translate, got 'serve'"),
+        (dict(url="http://x/", duration_s=0), "--duration must be positive"),
+        (dict(url="http://x/", target="translate", repeat=2), "--repeat is the compare endpoint's"),
+        (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate"),
     ],
 )
 def test_options_refuse_what_cannot_run(fields, message):
@@ -87,8 +92,20 @@ def stub():
         b = {"error": mode["error"], "runs": {"totals_ms": [mode["seconds"] * 1e3]}}
         yield mode["answer"] or {"reference": "pytorch", "backends": {"pytorch": b, "ort_int8": dict(b, error=None)}}
 
+    def translate(text: str) -> dict:  # the real endpoint's answer, as service/translate.py writes it
+        time.sleep(mode["seconds"])
+        if mode["error"]:
+            return {"text": None, "error": mode["error"], "backend": None, "decoding": {}, "segments": [],
+                    "warnings": [], "batch": {"requests": 1, "refused": 1}, "timings_ms": {"decode": 0.0}}
+        return {"text": "点击确定。", "error": None, "backend": "ort_fp32_kv_cache",
+                "decoding": {"strategy": "beam search", "num_beams": 4, "max_new_tokens": 511},
+                "segments": [{"text": text, "translation": "点击确定。", "stop_reason": "eos"}], "warnings": [],
+                "batch": {"requests": 3, "refused": 0, "decoded_together": 3, "sentences": 3, "calls": 1},
+                "timings_ms": {"decode": 12.5}}
+
     with gr.Blocks() as demo:
         gr.api(compare, api_name="compare", concurrency_limit=1, concurrency_id="model")
+        gr.api(translate, api_name="translate", concurrency_limit=1, concurrency_id="translate")
     demo.queue(max_size=8, default_concurrency_limit=1)
     port = _free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
@@ -144,6 +161,36 @@ def test_an_answer_without_backends_is_an_error(stub):
     r = drive(url, LoadOptions(url=url, users=1, requests=1, warmup=0), pid=None, log=_quiet)
     assert r["counts"]["error_kinds"] == {"malformed_answer": 1}, r["requests"]
     assert r["requests"][0]["message"] == "KeyError: 'backends'"
+
+
+def test_translate_answers_are_counted_with_their_batch(stub):
+    url, mode = stub
+    mode.update(seconds=0.0, error=None, answer=None)
+    r = drive(url, LoadOptions(url=url, users=2, requests=4, warmup=0, target="translate"), pid=None, log=_quiet)
+    assert r["target"] == "translate" and r["counts"]["ok"] == 4, r["error_examples"]
+    assert r["decoded_together"]["p50"] == 3 and r["latency_ms"]["compute"]["p50"] == 12.5
+    assert r["served"] == {"backends": ["ort_fp32_kv_cache"],
+                           "decodings": [{"strategy": "beam search", "num_beams": 4, "max_new_tokens": 511}]}
+
+
+def test_a_refused_translate_request_is_an_error_of_its_kind(stub):
+    url, mode = stub
+    mode.update(seconds=0.0, error="the input is empty: type an English sentence to translate", answer=None)
+    r = drive(url, LoadOptions(url=url, users=1, requests=2, warmup=0, target="translate"), pid=None, log=_quiet)
+    assert r["counts"]["error_kinds"] == {"refused": 2} and r["counts"]["ok"] == 0
+    assert r["requests"][0]["message"].startswith("the input is empty")
+
+
+def test_a_run_with_a_duration_stops_sending_when_it_is_up(stub):
+    url, mode = stub
+    mode.update(seconds=0.2, error=None, answer=None)
+    options = LoadOptions(url=url, users=2, requests=10_000, warmup=1, target="translate", duration_s=1.5)
+    start = time.monotonic()
+    r = drive(url, options, pid=None, log=_quiet)
+    c = r["counts"]
+    assert 2 <= c["sent"] < 30 and c["requests"] == c["sent"] == c["ok"] and c["not_sent"] == 0, c
+    assert max(q["start_s"] for q in r["requests"]) < 0.2 * 2 + 1.5 + 1, r["requests"][-1]
+    assert time.monotonic() - start < 10
 
 
 # ---------------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def test_without_ray_the_ray_engine_says_what_to_install(tiny_export_dir, tmp_pa
             f"'--out', {str(tmp_path / 'out')!r}]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr
-    assert "pip install 'ray[data]==2.60.0'" in out.stderr
+    assert "pip install -r requirements-engine.txt (ray[data]==2.60.0" in out.stderr
 
 
 @pytest.mark.ray

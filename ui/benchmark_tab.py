@@ -28,6 +28,7 @@ from service.quickbench import (
     quick_sentences,
     save_quick,
 )
+from service.reference import load_reference
 from service.reports import failure_line, find_reports, load_report
 from service.speedrun import not_measured
 
@@ -212,17 +213,56 @@ def _without_image_links(markdown: str) -> str:
     return re.sub(r"^!\[[^\]]*\]\([^)]*\)\s*$", "", markdown, flags=re.M).rstrip() + "\n"
 
 
+def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    cells = [columns, ["---"] * len(columns), *rows]
+    return "\n".join("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in cells)
+
+
+def reference_view(loaded, none_yet: str) -> ReportView | None:
+    """The shipped reference results, marked as measured elsewhere; None when the app has none."""
+    path = loaded.reference_results
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        ref = load_reference(path)
+    except ValueError as e:
+        return ReportView(header=f"{none_yet}  \n⚠️ The shipped reference results cannot be shown: {e}")
+    first, *others = ref["runs"]
+    export = export_of(loaded)
+    lines = [
+        f"**Reference results, not measured on this host**: {first['title']}, {first['date_utc']}, on "
+        f"{ref['machine']} ({ref['threads']} threads per runtime), commit {first['commit'] or 'unknown'}; shipped "
+        f"with the app in `{_shown_path(path)}`, from {first['source']}.",
+    ]
+    if export is None or export.name != ref["model"]:
+        lines.append(f"⚠️ Measured on the embedded model `{ref['model']}`, not the model this app serves "
+                     f"(`{_shown_path(export) if export else '?'}`).")
+    lines.append(none_yet)
+    versions = ", ".join(f"{k} {v}" for k, v in ref["versions"].items())
+    more = [
+        f"#### {run['title']}: reference, not measured on this host\n{run['date_utc']}, commit "
+        f"{run['commit'] or 'unknown'}, `{run['command']}`; {run['method']} (from {run['source']}).\n\n"
+        + _markdown_table(run["columns"], run["rows"])
+        for run in others
+    ]
+    return ReportView(
+        header="  \n".join(lines),
+        table=pd.DataFrame(first["rows"], columns=first["columns"]),
+        notes=f"`{first['command']}`: {first['method']}. Versions: {versions}.",
+        method="\n\n".join(more),
+    )
+
+
 def view(loaded, path: str | None = None) -> ReportView:
     """The report at `path`, else the newest for the app's model, else the newest of any."""
     reports = find_reports(loaded.results_dir, kind="speed")
     if not reports:
-        return ReportView(
-            header=(
-                f"**No benchmark report yet** in `{_shown_path(loaded.results_dir)}`. Make one with "
-                f"`{FULL_COMMAND}` (every backend in its own process over 200 dev sentences, with load time, "
-                "memory and the output-length sweep), or run a quick one below."
-            )
+        none_yet = (
+            f"**No benchmark report yet** in `{_shown_path(loaded.results_dir)}`. Make one with "
+            f"`{FULL_COMMAND}` (every backend in its own process over 200 dev sentences, with load time, "
+            "memory and the output-length sweep), or run a quick one below."
         )
+        return reference_view(loaded, none_yet) or ReportView(header=none_yet)
     export = export_of(loaded)
     choices = [(_label(r), r["path"]) for r in reports]
     ours = [r for r in reports if _same_export(r["results"], export)]
@@ -291,9 +331,9 @@ def build(loaded) -> None:
             interactive=True,
         )
         header = gr.Markdown(first.header, elem_id="bench-header")
-        results_table = gr.Dataframe(
+        results_table = gr.Dataframe(  # hidden without a table: an empty one shows bare column numbers
             value=first.table, interactive=False, wrap=True, elem_id="bench-table", label="results",
-            show_search="none",
+            show_search="none", visible=first.table is not None,
         )
         notes = gr.Markdown(first.notes, elem_id="bench-notes")
         images = [
@@ -310,8 +350,9 @@ def build(loaded) -> None:
 
     def values(v: ReportView) -> tuple:
         plots = [gr.Image(value=path, visible=path is not None) for _, _, path in _plots(v)]
-        return (gr.Dropdown(choices=v.choices, value=v.selected), v.header, v.table, v.notes, *plots, v.claims,
-                v.method, v.markdown)
+        return (gr.Dropdown(choices=v.choices, value=v.selected), v.header,
+                gr.Dataframe(value=v.table, visible=v.table is not None), v.notes, *plots, v.claims, v.method,
+                v.markdown)
 
     def refresh() -> tuple:
         return values(view(loaded))

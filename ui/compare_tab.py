@@ -15,6 +15,7 @@ from backends import REFERENCE
 from backends.memory import trim_heap
 from service import MAX_REPEAT, InputError, compare_iter, decoding_for, decoding_json, plan, segments_json, to_json
 from service.locate import locate_for_ui
+from service.translate import overlap_warning
 
 from .compare_figures import LATENCY_HEADERS, forced_figure, latency_figure, latency_rows
 from .compare_render import LABELS, decoding_md, divergence_html, panel_html, segments_html
@@ -174,6 +175,13 @@ def build(loaded: Loaded) -> None:
             out,
         )
 
+    def said_overlap(result, mark: tuple[int, int]) -> tuple[int, int]:
+        """A warning on `result` when translate decodes ran while it was timed; the next mark."""
+        note = overlap_warning(loaded.traffic.since(mark))
+        if note:
+            result.warnings.append(note)
+        return loaded.traffic.mark()
+
     def translate_ui(text_in: str, n_repeat: float, beams: int | None = 0):
         beams = int(beams) or None if beams is not None else None  # 0: the model's own config
         try:
@@ -193,7 +201,9 @@ def build(loaded: Loaded) -> None:
             first = order[0] if order else None
             msg = f"{split}Running {LABELS.get(first, first)}…" if first else split
             yield frame(msg, results, first, segments, used)
+            mark = loaded.traffic.mark()
             for r in compare_iter(loaded.backends, text_in, repeat=int(n_repeat), num_beams=beams, **opts):
+                mark = said_overlap(r, mark)
                 results[r.name] = r.to_json()
                 nxt = next((n for n in order if n not in results), None)
                 msg = f"{split}{len(results)}/{len(names)} done; running {LABELS.get(nxt, nxt)}…"
@@ -216,8 +226,9 @@ def build(loaded: Loaded) -> None:
         translated as a batch and joined. Streams: one update per finished backend, the last one
         complete."""
         try:
-            results = []
+            results, mark = [], loaded.traffic.mark()
             for r in compare_iter(loaded.backends, text, repeat=repeat, num_beams=num_beams, **opts):
+                mark = said_overlap(r, mark)
                 results.append(r)
                 yield to_json(results, REFERENCE)
         except (InputError, ValueError) as e:

@@ -10,6 +10,7 @@ from typing import Any
 from backends import BACKEND_NAMES, ManifestError, load_manifest
 from families import family_named
 from service import RequestLimits
+from service.translate import Traffic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,10 @@ class Loaded:
     max_new_tokens: int | None = None
     examples: list[str] = field(default_factory=list)
     results_dir: Path = REPO / "bench-results"  # the Benchmark tab's reports: read, and quick runs saved
+    # shown by the Benchmark tab while results_dir has no report; measured elsewhere (None: none shipped)
+    reference_results: Path | None = REPO / "assets" / "reference-results.json"
     limits: RequestLimits = RequestLimits()  # characters, segments and seconds per backend of one request
+    traffic: Traffic = field(default_factory=Traffic)  # translate decodes, so Compare's timings can say they overlapped
 
     @property
     def names(self) -> list[str]:

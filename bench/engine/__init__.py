@@ -212,8 +212,8 @@ def run_corpus(export_dir: Path, input_path, out: Path, names: list[str], refere
             try:
                 from . import ray_engine
             except ImportError as e:
-                raise EngineUnavailable("--engine ray needs Ray Data: pip install 'ray[data]==2.60.0' (pinned in "
-                                        "requirements.txt; every node needs it too)") from e
+                raise EngineUnavailable("--engine ray needs Ray Data: pip install -r requirements-engine.txt "
+                                        "(ray[data]==2.60.0; every node needs it too)") from e
             engine = ray_engine.run(job, options, accept, log=log)
     finally:
         bar.close()

@@ -14,7 +14,7 @@ ray`). Pipeline:
 Ray Data restarts an actor that dies and retries its shard (max_restarts / max_task_retries -1);
 the driver writes each shard once. Joining a cluster (`--address`) ships this repository's code
 (not its data or models) to every node as the job's working_dir; the nodes need the Python
-packages of requirements.txt.
+packages of requirements.txt and requirements-engine.txt.
 """
 
 from __future__ import annotations
