@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: setup engine test-tools run test test-fast export-fixture bench-venv bench bench-opus clean
+.PHONY: setup engine serve test-tools run test test-fast export-fixture bench-venv bench bench-opus clean
 
 # No byte-compiling at install: a test run imports about a fifth of the files pip would compile,
 # and Python compiles those on first import. `make -j2 setup bench-venv` makes both environments at once.
@@ -29,9 +29,15 @@ $(VENV)/.installed-engine: requirements-engine.txt $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt
 	touch $@
 
+# Ray Serve (`python -m service.serve`): into the same venv, on top of the corpus engine's ray.
+serve: $(VENV)/.installed-serve
+$(VENV)/.installed-serve: requirements-serve.txt $(VENV)/.installed-engine
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt -r requirements-serve.txt
+	touch $@
+
 test-tools: $(VENV)/.installed-test
-$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed-engine
-	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt -r requirements-test.txt
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed-serve
+	$(PY) -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements.txt -r requirements-engine.txt -r requirements-serve.txt -r requirements-test.txt
 	touch $@
 
 run: setup
