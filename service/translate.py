@@ -141,6 +141,7 @@ class TranslateAnswer:
     translations: list[Any] = field(default_factory=list)
     decoding: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    refused: bool = False  # the request itself was refused (not a failed decode): an HTTP API answers 422
     warnings: list[str] = field(default_factory=list)
     batch: dict[str, int] = field(default_factory=dict)
     decode_ms: float = 0.0
@@ -215,7 +216,7 @@ def translate_batch(
                 max_new_tokens=max_new_tokens,
             )
         except (InputError, ValueError) as e:
-            answers[i].error = str(e)
+            answers[i].error, answers[i].refused = str(e), True
             continue
         answers[i].backend, answers[i].segments = name, segments
         answers[i].decoding = decoding_json(options, requested)
