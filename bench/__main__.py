@@ -6,7 +6,7 @@
                           [--external NAME=DIR ...] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
-                          [--target compare|translate] [--duration S] [--baseline-export DIR]
+                          [--target compare|translate|serve] [--duration S] [--baseline-export DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
 
 Each writes results.json and report.md (speed: also PNG plots) into --out, by default
@@ -25,6 +25,7 @@ from pathlib import Path
 from . import peers as peers_mod
 from .data import DEFAULT_TSV, RESULTS, resolve_model, sentences_arg
 from .decoding import SWEEP_IS_GREEDY, resolve_decoding
+from .load import TARGETS as LOAD_TARGETS
 
 
 def _csv(value: str) -> list[str]:
@@ -320,8 +321,9 @@ def main(argv=None) -> int:
     lp.add_argument("--users", type=int, default=16, help="concurrent clients, one request in flight each")
     lp.add_argument("--requests", type=int, default=400, help="requests in all, busy rejections included (with "
                     "--duration: at most)")
-    lp.add_argument("--target", choices=("compare", "translate"), default="compare",
-                    help="the endpoint: compare (every backend) or translate (one sentence per request, batched)")
+    lp.add_argument("--target", choices=LOAD_TARGETS, default="compare",
+                    help="the endpoint: compare (every backend), translate (one sentence per request, batched) or "
+                    "serve (the translate API on Ray Serve: --url http://HOST:PORT/translate)")
     lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
     lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "
                     "at batch 32 from this export (the one the app serves) on the same sentences")

@@ -1,5 +1,5 @@
 """python -m bench load: many users at once against the app's `compare` or `translate` endpoint, through
-gradio_client.
+gradio_client, or against the same `translate` API on Ray Serve (`python -m service.serve`), over HTTP.
 
 Each user is one `gradio_client.Client` (its own session) in its own thread, sending one request
 at a time and the next as soon as the answer is in (a closed loop). Every request ends as exactly
@@ -26,6 +26,10 @@ Time per request, from three clocks:
 
 `--target translate` sends one sentence per request to the `translate` endpoint (the app's default
 backend and decoding), which Gradio batches; each answer's `batch.decoded_together` is recorded.
+`--target serve` sends the same requests as JSON POSTs to `python -m service.serve`'s endpoint (`--url
+http://HOST:8000/translate`, one keep-alive HTTP connection per user), which Ray Serve batches: 200 is
+read as the translate answer, 503 (Ray Serve's queue is full) is busy, 422 is `refused`, any other
+status is an error of kind `http_STATUS`; there is no queue wait or service phase to read.
 `duration_s` runs for that many seconds after the warm-up instead of a number of requests.
 
 The status times are stamped by gradio_client's per-job worker, which polls for messages every 50 ms,
@@ -49,7 +53,8 @@ from service.environment import environment
 from .data import DEFAULT_TSV
 from .load_results import OUTCOMES, collect, cpu_s
 
-TARGETS = ("compare", "translate")
+TARGETS = ("compare", "translate", "serve")
+BATCHED = ("translate", "serve")  # the targets answering with the translate JSON
 CANCEL_GRACE_S = 10.0  # a cancelled job settles in well under a second when the app is alive
 
 
@@ -96,10 +101,13 @@ class LoadOptions:
             problems.append(f"--target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         if self.duration_s is not None and not self.duration_s > 0:
             problems.append(f"--duration must be positive, got {self.duration_s}")
-        if self.target == "translate" and self.repeat != 1:
-            problems.append("--repeat is the compare endpoint's; translate runs each request once")
-        if self.baseline_export is not None and self.target != "translate":
-            problems.append("--baseline-export is for --target translate")
+        if self.target in BATCHED and self.repeat != 1:
+            problems.append(f"--repeat is the compare endpoint's; {self.target} runs each request once")
+        if self.baseline_export is not None and self.target not in BATCHED:
+            problems.append(f"--baseline-export is for --target {' or '.join(BATCHED)}")
+        if self.target == "serve" and self.launch_args is not None:
+            problems.append("--target serve drives a running `python -m service.serve`: give --url "
+                            "http://HOST:PORT/translate (--launch starts app.py)")
         for name in ("timeout_s", "deadline_s", "start_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -225,6 +233,8 @@ def _check_translate(out, req: Request) -> str | None:
 
 def one_request(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
     """Send one request and wait for its outcome, never longer than options.timeout_s."""
+    if options.target == "serve":
+        return _one_post(client, text, req, options, t0)
     from gradio_client.utils import QueueError
 
     req.start_s = round(time.monotonic() - t0, 3)
@@ -260,6 +270,54 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     return req
 
 
+def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
+    """`one_request` for the serve target: one JSON POST to the endpoint on the user's httpx.Client."""
+    import httpx
+
+    req.start_s = round(time.monotonic() - t0, 3)
+    start = time.perf_counter()
+    try:
+        r = client.post(options.url, json={"text": text}, timeout=options.timeout_s)
+    except httpx.TimeoutException:
+        req.kind, req.message = "timeout", f"no answer in {options.timeout_s:g} s"
+    except Exception as e:  # the load test's job is to count what the server answers, by kind
+        req.kind, req.message = type(e).__name__, str(e)[:500]
+    else:
+        if r.status_code == 503:
+            req.outcome, req.kind, req.message = "busy", "http_503", r.text[:500]
+        elif r.status_code not in (200, 422):
+            req.kind, req.message = f"http_{r.status_code}", r.text[:500]
+        else:
+            try:
+                failed = _check_translate(r.json(), req)
+                if r.status_code == 422 and not failed:
+                    raise TypeError("status 422 with no error")
+            except (KeyError, TypeError, ValueError) as e:
+                req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
+            else:
+                if failed:
+                    req.kind, req.message = "refused", failed[:500]
+                else:
+                    req.outcome = "ok"
+    req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
+    return req
+
+
+def _clients(url: str, options: LoadOptions) -> list:
+    """One client per user: gradio_client's for the app's endpoints, httpx's for the serve target."""
+    # httpx verifies TLS by loading the CA bundle again on every POST, CPU which
+    # on a small machine the load generator would take from the app it measures; plain http needs none.
+    ssl_verify = urlparse(url).scheme == "https"
+    if options.target == "serve":
+        import httpx
+
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        return [httpx.Client(verify=ssl_verify, limits=limits) for _ in range(options.users)]
+    from gradio_client import Client
+
+    return [Client(url, verbose=False, ssl_verify=ssl_verify) for _ in range(options.users)]
+
+
 def _user(user: int, client, texts: list[str], options: LoadOptions, progress: _Progress,
           records: list[Request], crashes: list[BaseException], t0: float) -> None:
     try:
@@ -276,16 +334,11 @@ def _user(user: int, client, texts: list[str], options: LoadOptions, progress: _
 
 def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], None] = print) -> dict:
     """Warm up, then `options.users` users send `options.requests` requests; returns plain data."""
-    from gradio_client import Client
-
     from .load_app import memory
 
     pairs = default_sample(options.requests, options.tsv, options.seed)
     texts = [p.en for p in pairs]
-    # httpx verifies TLS by loading the CA bundle again on every POST, CPU which
-    # on a small machine the load generator would take from the app it measures; plain http needs none.
-    ssl_verify = urlparse(url).scheme == "https"
-    clients = [Client(url, verbose=False, ssl_verify=ssl_verify) for _ in range(options.users)]
+    clients = _clients(url, options)
 
     def sample() -> dict:
         import psutil

@@ -129,7 +129,7 @@ def translate_lines(r: dict) -> list[str]:
     out = []
     if together:
         served = r["served"]
-        out += ["", f"Requests decoded together (Gradio's batches, per ok request): median {_f(together['p50'])}, "
+        out += ["", f"Requests decoded together (the server's batches: Gradio's or Ray Serve's, per ok request): median {_f(together['p50'])}, "
                 f"mean {_f(together['mean'], 1)}, max {_f(together['max'])}; backend {', '.join(served['backends'])}."]
     if base:
         out += ["", f"Offline, the same backend ({base['backend']}) at batch {base['batch_size']} with the same "

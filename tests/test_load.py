@@ -36,10 +36,12 @@ from bench.load_results import memory_change, summary
         (dict(url="http://x/", busy_backoff_s=-1), "busy_backoff_s must be 0 or more"),
         (dict(url="http://x/", repeat=21), "--repeat must be in 1..20"),
         (dict(url="http://x/", rss_every=0), "--rss-every must be at least 1"),
-        (dict(url="http://x/", target="serve"), "--target must be one of compare, translate, got 'serve'"),
+        (dict(url="http://x/", target="nope"), "--target must be one of compare, translate, serve, got 'nope'"),
+        (dict(launch_args=(), target="serve"), "--target serve drives a running `python -m service.serve`"),
+        (dict(url="http://x/", target="serve", repeat=2), "--repeat is the compare endpoint's; serve runs"),
         (dict(url="http://x/", duration_s=0), "--duration must be positive"),
         (dict(url="http://x/", target="translate", repeat=2), "--repeat is the compare endpoint's"),
-        (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate"),
+        (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate or serve"),
     ],
 )
 def test_options_refuse_what_cannot_run(fields, message):
@@ -179,6 +181,59 @@ def test_a_refused_translate_request_is_an_error_of_its_kind(stub):
     r = drive(url, LoadOptions(url=url, users=1, requests=2, warmup=0, target="translate"), pid=None, log=_quiet)
     assert r["counts"]["error_kinds"] == {"refused": 2} and r["counts"]["ok"] == 0
     assert r["requests"][0]["message"].startswith("the input is empty")
+
+
+@pytest.fixture
+def serve_stub():
+    """An HTTP JSON endpoint as `python -m service.serve` answers, one status per request in turn."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    statuses = [200, 422, 500, 503]
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            text = json.loads(self.rfile.read(int(self.headers["content-length"])))["text"]
+            status = statuses[len(seen) % len(statuses)]
+            seen.append(text)
+            ok = {"text": "点击确定。", "error": None, "backend": "ort_fp32_kv_cache",
+                  "decoding": {"strategy": "greedy", "num_beams": 1, "max_new_tokens": 511},
+                  "segments": [{"text": text, "translation": "点击确定。", "stop_reason": "eos"}], "warnings": [],
+                  "batch": {"requests": 5, "refused": 1, "decoded_together": 4, "sentences": 4, "calls": 1},
+                  "timings_ms": {"decode": 7.5}}
+            body = {200: ok, 422: dict(ok, text=None, error="the input is empty", segments=[]),
+                    500: {"raw": "Internal Server Error"}, 503: {"raw": "queue full"}}[status]
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/translate", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_serve_target_counts_each_status_as_its_outcome(serve_stub):
+    url, seen = serve_stub
+    options = LoadOptions(url=url, users=1, requests=8, warmup=0, target="serve", busy_backoff_s=0)
+    r = drive(url, options, pid=None, log=_quiet)
+    c = r["counts"]
+    assert len(seen) == 8 and (c["ok"], c["busy"], c["error"]) == (2, 2, 4), c
+    assert c["error_kinds"] == {"refused": 2, "http_500": 2}
+    assert r["decoded_together"]["p50"] == 4 and r["latency_ms"]["compute"]["p50"] == 7.5
+    assert r["served"]["backends"] == ["ort_fp32_kv_cache"] and r["latency_ms"]["queue_wait"] is None
+    refused = [q for q in r["requests"] if q["kind"] == "refused"]
+    assert refused[0]["message"] == "the input is empty"
 
 
 def test_a_run_with_a_duration_stops_sending_when_it_is_up(stub):
