@@ -166,7 +166,7 @@ class Translator:
     async def check_health(self):
         """Raises unless the session decodes: Ray Serve then replaces this replica."""
         [t] = await asyncio.to_thread(self.backends[self.options.backend].translate, [HEALTH_TEXT],
-                                      max_new_tokens=2, output_scores=False)
+                                      max_new_tokens=2, top_k=1, output_scores=False)
         if not t.token_ids:
             raise RuntimeError(f"the health check's decode of {HEALTH_TEXT!r} gave no tokens")
 
@@ -249,10 +249,11 @@ def main(argv=None) -> int:
         parser.error(f"{options.export} is not an export folder (no manifest.json); make one with python -m export")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     try:
         url = start(options)
+        # After ray.init, which installs its own SIGTERM handler (it aborts the process).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: done.set())
         print(f"serving {options.replicas} replica(s) of {options.backend} at {url}", flush=True)
         done.wait()
         print("stopping", flush=True)
