@@ -47,9 +47,14 @@ def latency_rows(r: dict) -> list[list[str]]:
 LATENCY_HEADERS = ["ms", "n", "p50", "p95", "p99", "mean", "max"]
 
 
+def _read(sample: dict) -> bool:
+    """Whether a sample read the app's memory (or says why it could not)."""
+    return "rss_mb" in sample or "memory_error" in sample
+
+
 def memory_lines(r: dict) -> list[str]:
     m = r["memory"]
-    if not m["samples"]:
+    if not any(_read(s) for s in m["samples"]):  # without a pid the samples hold the tallies alone
         return ["Not sampled: give `--pid PID` with `--url`, or use `--launch`."]
     lines = ["| requests finished | ok | busy | errors | app RSS MB | processes | app CPU s |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -152,8 +157,8 @@ def summary_table(r: dict) -> str:
     if ch:
         text.append(f"app RSS {ch['from_mb']:,.1f} MB after {ch['from_finished']} requests -> {ch['to_mb']:,.1f} MB "
                     f"after {ch['to_finished']} ({ch['change_pct']:+.2f}%)")
-    elif r["memory"]["samples"]:
-        s = r["memory"]["samples"][-1]
+    elif read := [s for s in r["memory"]["samples"] if _read(s)]:
+        s = read[-1]
         text.append(f"app RSS {s.get('rss_mb', s.get('memory_error'))} MB after {s['finished']} requests")
     return "\n".join(text)
 

@@ -234,6 +234,10 @@ def test_the_serve_target_counts_each_status_as_its_outcome(serve_stub):
     assert r["served"]["backends"] == ["ort_fp32_kv_cache"] and r["latency_ms"]["queue_wait"] is None
     refused = [q for q in r["requests"] if q["kind"] == "refused"]
     assert refused[0]["message"] == "the input is empty"
+    from bench.load_report import memory_lines, summary_table
+
+    assert "RSS" not in summary_table(r)  # no --pid: no memory read, none reported as None
+    assert memory_lines(r) == ["Not sampled: give `--pid PID` with `--url`, or use `--launch`."]
 
 
 def test_a_run_with_a_duration_stops_sending_when_it_is_up(stub):
