@@ -63,7 +63,9 @@ class ServeOptions:
     host: str = "127.0.0.1"  # 0.0.0.0 to be reached from other machines
     port: int = 8000
     max_batch_size: int = MAX_REQUESTS  # requests one decode takes
-    batch_wait_s: float = 0.01  # how long a replica waits for more requests to fill a batch
+    # How long a replica waits for more requests to fill a batch: while a decode holds the GIL the
+    # requests behind it reach the replica's queue late, so a shorter wait decodes them one by one.
+    batch_wait_s: float = 0.05
     max_ongoing: int = 64  # requests one replica holds at once (batched or waiting for the next batch)
     max_queued: int = 256  # requests waiting for a replica, per proxy; more are answered 503
     request_timeout_s: float = 120.0  # the proxy answers 408 past it
@@ -171,9 +173,19 @@ class Translator:
             raise RuntimeError(f"the health check's decode of {HEALTH_TEXT!r} gave no tokens")
 
 
+def _serve():
+    """ray.serve, or an error that says what to install."""
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise RuntimeError("serving on Ray Serve needs its packages: pip install -r requirements-serve.txt "
+                           f"(ray[serve]==2.60.0 and what it brings), or make serve ({e})") from e
+    return serve
+
+
 def application(options: ServeOptions):
     """The Ray Serve application: `options.replicas` replicas of `Translator` behind the HTTP proxy."""
-    from ray import serve
+    serve = _serve()
 
     class Batched(Translator):
         @serve.batch(max_batch_size=options.max_batch_size, batch_wait_timeout_s=options.batch_wait_s)
@@ -190,8 +202,8 @@ def application(options: ServeOptions):
 
 def start(options: ServeOptions) -> str:
     """Serve on the Ray runtime already connected (or a new local one); returns the endpoint's URL."""
+    serve = _serve()
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         if options.address is None:
@@ -213,10 +225,17 @@ def replica_actors() -> list[str]:
                   if a["namespace"] == "serve" and f"#{DEPLOYMENT}#" in a["name"] and "REPLICA" in a["name"])
 
 
+def running_replicas() -> int:
+    """Replicas of the deployment that are up and passed their health checks (0 when it is not deployed)."""
+    app = _serve().status().applications.get(APP_NAME)
+    deployment = app.deployments.get(DEPLOYMENT) if app else None
+    return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+
 def stop() -> None:
     """Delete the application, stop Serve and leave the Ray runtime."""
+    serve = _serve()
     import ray
-    from ray import serve
 
     try:
         serve.shutdown()
@@ -233,12 +252,16 @@ def main(argv=None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to take requests from other machines")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch-size", type=int, default=MAX_REQUESTS, help="requests one decode takes")
-    parser.add_argument("--batch-wait-s", type=float, default=0.01, help="seconds a replica waits to fill a batch")
+    parser.add_argument("--batch-wait-s", type=float, default=ServeOptions.batch_wait_s, help="seconds a replica waits to fill a batch")
     parser.add_argument("--max-queued", type=int, default=256, help="waiting requests before 503")
     parser.add_argument("--request-timeout-s", type=float, default=120.0, help="the proxy answers 408 past it")
     parser.add_argument("--address", help="a running Ray cluster (e.g. auto, or HOST:6379); default: start one here")
     parser.add_argument("--max-new-tokens", type=int, help="the output cap (default: the model's)")
     args = parser.parse_args(argv)
+    try:
+        _serve()
+    except RuntimeError as e:
+        parser.error(str(e))
     options = ServeOptions(
         export=args.export, backend=args.backend, replicas=args.replicas, threads=args.threads, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_s,
