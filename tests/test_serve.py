@@ -77,6 +77,20 @@ def test_a_request_takes_the_apps_fields():
     assert parse_request(b'{"text": "Hi.", "num_beams": 4}') == {"text": "Hi.", "num_beams": 4, "backend": None}
 
 
+def test_importing_it_imports_no_ray():
+    code = "import sys, service.serve; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_without_ray_serve_the_command_says_what_to_install(tiny_export_dir):
+    code = ("import sys; sys.modules['ray.serve'] = None; from service.serve import main; "
+            f"sys.exit(main([{str(tiny_export_dir)!r}, '--backend', 'ort_fp32_kv_cache']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stderr
+    assert "pip install -r requirements-serve.txt (ray[serve]==2.60.0" in out.stderr
+
+
 def test_options_are_checked_once_naming_the_choices(tiny_export_dir):
     from service.serve import ServeOptions
 
@@ -149,6 +163,12 @@ def served(tiny_export_dir):
                                max_batch_size=8, batch_wait_s=0.2, health_period_s=2, request_timeout_s=TIMEOUT_S,
                                max_new_tokens=TINY_MAX_NEW_TOKENS)
         url = start(options)
+        # Both nodes' proxies listen on this machine's one port and the kernel spreads connections
+        # between them; one that has not yet heard of the route answers 404 for a moment.
+        deadline, answered = time.monotonic() + 120, 0
+        while answered < 20 and time.monotonic() < deadline:
+            answered = answered + 1 if ask(url, "Hello.")[0] == 200 else 0
+        assert answered == 20, "the proxies did not all serve the route within 120 s"
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         yield SimpleNamespace(url=url, options=options, nodes=nodes, replicas=replica_actors)
     finally:
@@ -192,10 +212,13 @@ def test_two_replicas_on_two_nodes_answer_as_translate_batch_does(served, alone)
 @pytest.mark.slow
 def test_a_refused_request_is_422_and_its_batch_is_answered(served, alone):
     texts, expected = alone
-    sent = texts[:6] + ["   "] + texts[6:12] + [""]
-    with ThreadPoolExecutor(len(sent)) as pool:
-        answers = list(pool.map(lambda t: ask(served.url, t), sent))
-    refused = [b for t, (s, b, _) in zip(sent, answers) if not t.strip()]
+    sent = texts[:6] + ["   "] + texts[6:12] + [""] + texts[12:18] + [" "]
+    for _ in range(5):  # until a burst puts a refused request in a batch with good ones
+        with ThreadPoolExecutor(len(sent)) as pool:
+            answers = list(pool.map(lambda t: ask(served.url, t), sent))
+        refused = [b for t, (s, b, _) in zip(sent, answers) if not t.strip()]
+        if any(b["batch"]["requests"] > b["batch"]["refused"] for b in refused):
+            break
     for text, (status, body, _) in zip(sent, answers):
         if not text.strip():
             assert status == 422 and body["text"] is None and "empty" in body["error"], body
@@ -224,11 +247,13 @@ def test_a_killed_replica_loses_no_request_silently_and_is_replaced(served, alon
     """Last of the cluster tests: four users send requests while one replica is killed."""
     import ray
 
+    from service.serve import running_replicas
+
     texts, expected = alone
     before = served.replicas()
-    assert len(before) == 2
-    outcomes: list[tuple[str, int | str, dict]] = []
-    stop_at = [time.monotonic() + 120]
+    assert len(before) == 2 and running_replicas() == 2
+    outcomes: list[tuple[str, int | str, dict, str | None]] = []  # text, status, body, answering node
+    stop_at = [time.monotonic() + 180]
 
     def user(u: int) -> None:
         i = u
@@ -236,11 +261,11 @@ def test_a_killed_replica_loses_no_request_silently_and_is_replaced(served, alon
             text = texts[i % len(texts)]
             i += 4
             try:
-                status, body, _ = ask(served.url, text)
+                status, body, headers = ask(served.url, text)
             except OSError as e:  # a timeout or a dropped connection: what must not happen
-                outcomes.append((text, type(e).__name__, {"error": str(e)}))
+                outcomes.append((text, type(e).__name__, {"error": str(e)}, None))
                 continue
-            outcomes.append((text, status, body))
+            outcomes.append((text, status, body, headers.get("x-serve-node")))
 
     users = [threading.Thread(target=user, args=(u,), daemon=True) for u in range(4)]
     for t in users:
@@ -249,29 +274,31 @@ def test_a_killed_replica_loses_no_request_silently_and_is_replaced(served, alon
     answered_before_kill = len(outcomes)
     victim = before[0]
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        now = served.replicas()
-        if victim not in now and len(now) == 2:
-            break
+    deadline = time.monotonic() + 120
+    # A new name appears once the controller has seen the death; until then the status may still
+    # count the dead replica as running.
+    while time.monotonic() < deadline and not (set(served.replicas()) - set(before) and running_replicas() == 2):
         time.sleep(0.5)
     replaced_at = len(outcomes)
-    stop_at[0] = time.monotonic() + 5  # then five more seconds on the replacement
+    stop_at[0] = time.monotonic() + 8  # then eight more seconds with the replacement up
     for t in users:
         t.join(timeout=stop_at[0] - time.monotonic() + TIMEOUT_S + 10)
     assert not any(t.is_alive() for t in users), "a request never came back"
 
     after = served.replicas()
-    assert victim not in after and len(after) == 2, (before, after)
-    assert answered_before_kill > 0 and len(outcomes) > replaced_at
+    assert victim not in after and len(after) == 2 and running_replicas() == 2, (before, after)
+    assert answered_before_kill > 0 and len(outcomes) > replaced_at + 8
     by_status: dict = {}
-    for text, status, body in outcomes:
+    for text, status, body, _ in outcomes:
         by_status[status] = by_status.get(status, 0) + 1
         if status == 200:
             got, want = _same(body, expected[text])
             assert got == want
-    print(f"kill test: {len(outcomes)} requests, {by_status}")
+    errors = sorted({json.dumps(b)[:200] for _, s, b, _ in outcomes if s != 200})
+    print(f"kill test: {len(outcomes)} requests, {by_status}, {answered_before_kill} before the kill, "
+          f"{replaced_at} when the replacement was up; errors: {errors}")
     # every request came back: correct (200) or an explicit server error; no timeout, no dropped connection
     assert set(by_status) <= {200, 500, 502, 503}, by_status
     assert by_status.get(200, 0) >= len(outcomes) - 16  # at most the requests in flight at the killed replica
-    assert all(s == 200 for _, s, _ in outcomes[replaced_at + 8:])  # the replacement answers
+    late = outcomes[replaced_at + 4:]  # the replacement sits on the killed replica's node (one CPU each)
+    assert all(s == 200 for _, s, _, _ in late) and {n for *_, n in late} == served.nodes
