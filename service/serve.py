@@ -15,9 +15,12 @@ batched request, so every answer is the one the app's `translate` API gives:
     503  more requests waiting than `--max-queued` (Ray Serve's proxy): try again
 
 Ray Serve checks each replica with `check_health` (one short decode through the session) every
-`--health-period-s`; a replica that fails it or dies is replaced by the controller. A request in
+`ServeOptions.health_period_s`; a replica that fails it or dies is replaced by the controller. A request in
 flight at a dying replica is answered with an error status, never left waiting. SIGTERM or
 SIGINT shuts the application and (when this process started it) the Ray runtime down.
+
+`--address` joins a running cluster and ships the repository's code as the job's working
+directory; the export itself is not shipped: it must be readable at the same path on every node.
 
 Only this module of the request layer imports ray, inside the functions that need it.
 """
@@ -48,6 +51,7 @@ ROUTE = "/translate"
 FIELDS = ("text", "num_beams", "backend")  # what the app's translate API takes, in its order
 HEALTH_TEXT = "Hello."
 REPO = Path(__file__).resolve().parents[1]
+# What a node needs of the repository is its code (as the corpus engine ships it): the rest stays here.
 CODE_EXCLUDES = [".git", ".venv", ".venv-bench", "exports", "runs", "bench-results", "test-artifacts", "data",
                  "assets", "docs", "*.onnx", "*.safetensors", "*.tsv.gz", "*.parquet"]
 
