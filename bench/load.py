@@ -77,6 +77,7 @@ class LoadOptions:
     # translate: after the run, the served backend's offline batch-32 throughput from this export
     baseline_export: Path | None = None
     threads: int | None = None  # the baseline's threads: the app's --threads
+    backend: str | None = None  # translate: the backend each request names (None: the app's default)
 
     def __post_init__(self):
         problems = []
@@ -98,6 +99,8 @@ class LoadOptions:
             problems.append(f"--duration must be positive, got {self.duration_s}")
         if self.target == "translate" and self.repeat != 1:
             problems.append("--repeat is the compare endpoint's; translate runs each request once")
+        if self.backend is not None and self.target != "translate":
+            problems.append("--backend is for --target translate (compare runs every backend)")
         if self.baseline_export is not None and self.target != "translate":
             problems.append("--baseline-export is for --target translate")
         for name in ("timeout_s", "deadline_s", "start_timeout_s"):
@@ -231,7 +234,7 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     sent, start = datetime.now(), time.perf_counter()
     translate = options.target == "translate"
     if translate:
-        job = client.submit(text, api_name="/translate")
+        job = client.submit(text, None, options.backend, api_name="/translate")
     else:
         job = client.submit(text, options.repeat, api_name="/compare")
     try:
