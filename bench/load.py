@@ -82,6 +82,7 @@ class LoadOptions:
     # translate: after the run, the served backend's offline batch-32 throughput from this export
     baseline_export: Path | None = None
     threads: int | None = None  # the baseline's threads: the app's --threads
+    backend: str | None = None  # translate: the backend each request names (None: the app's default)
 
     def __post_init__(self):
         problems = []
@@ -103,6 +104,8 @@ class LoadOptions:
             problems.append(f"--duration must be positive, got {self.duration_s}")
         if self.target in BATCHED and self.repeat != 1:
             problems.append(f"--repeat is the compare endpoint's; {self.target} runs each request once")
+        if self.backend is not None and self.target not in BATCHED:
+            problems.append(f"--backend is for --target {' or '.join(BATCHED)} (compare runs every backend)")
         if self.baseline_export is not None and self.target not in BATCHED:
             problems.append(f"--baseline-export is for --target {' or '.join(BATCHED)}")
         if self.target == "serve" and self.launch_args is not None:
@@ -241,7 +244,7 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     sent, start = datetime.now(), time.perf_counter()
     translate = options.target == "translate"
     if translate:
-        job = client.submit(text, api_name="/translate")
+        job = client.submit(text, None, options.backend, api_name="/translate")
     else:
         job = client.submit(text, options.repeat, api_name="/compare")
     try:
@@ -277,7 +280,7 @@ def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) 
     req.start_s = round(time.monotonic() - t0, 3)
     start = time.perf_counter()
     try:
-        r = client.post(options.url, json={"text": text}, timeout=options.timeout_s)
+        r = client.post(options.url, json={"text": text, "backend": options.backend}, timeout=options.timeout_s)
     except httpx.TimeoutException:
         req.kind, req.message = "timeout", f"no answer in {options.timeout_s:g} s"
     except Exception as e:  # the load test's job is to count what the server answers, by kind
