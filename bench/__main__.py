@@ -347,7 +347,8 @@ def main(argv=None) -> int:
                     help="the endpoint: compare (every backend), translate (one sentence per request, batched) or "
                     "serve (the translate API on Ray Serve: --url http://HOST:PORT/translate)")
     lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
-    lp.add_argument("--backend", help="translate: the backend every request names (default: the app's default)")
+    lp.add_argument("--backend", help="translate, serve: the backend every request names (default: the server's "
+                    "default)")
     lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "
                     "at batch 32 from this export (the one the app serves) on the same sentences")
     lp.add_argument("--baseline-threads", type=int, help="the baseline's threads (default: physical cores, as the "
