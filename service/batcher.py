@@ -71,10 +71,14 @@ class _Slot(Generic[T, R]):
 
 class Batcher(Generic[T, R]):
     """`submit(item)` from any number of threads; `decode(items)` runs on one thread of its own,
-    started by the first submit, and must return one answer per item, in order."""
+    started by the first submit, and must return one answer per item, in order. `after_batch`, if
+    given, runs on that thread once a batch's answers are handed out (housekeeping such as
+    returning freed memory, kept off the answers' path)."""
 
-    def __init__(self, decode: Callable[[list[T]], Sequence[R]], policy: BatchPolicy, name: str = "batcher") -> None:
+    def __init__(self, decode: Callable[[list[T]], Sequence[R]], policy: BatchPolicy, name: str = "batcher",
+                 after_batch: Callable[[], object] | None = None) -> None:
         self._decode = decode
+        self._after_batch = after_batch
         self.policy = policy
         self._name = name
         self._cond = threading.Condition()
@@ -83,13 +87,16 @@ class Batcher(Generic[T, R]):
         self._peak = 0  # most requests in flight at once since the previous batch was taken
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._failure: BaseException | None = None  # what ended the decoder thread, if anything did
 
     def submit(self, item: T) -> R:
         """`item`'s answer, once the batch it joins is decoded; raises BatchFailed when that decode failed."""
         slot: _Slot = _Slot(item)
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{self._name} is closed")
+                why = f": its decoder thread failed: {type(self._failure).__name__}: {self._failure}" \
+                    if self._failure is not None else ""
+                raise RuntimeError(f"{self._name} is closed{why}")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -144,13 +151,19 @@ class Batcher(Generic[T, R]):
                 current = batch
                 self._answer(batch)
                 current = []
+                if self._after_batch is not None:
+                    self._after_batch()
+        except BaseException as e:  # kept for the callers that come later, then raised as usual
+            self._failure = e
+            raise
         finally:  # a decoder thread that ends for any reason leaves no caller waiting
             with self._cond:
                 left, self._pending = current + self._pending, []
                 self._closed = True
             for slot in left:
                 if not slot.done.is_set():
-                    slot.error = RuntimeError(f"{self._name} stopped before this request was decoded")
+                    why = f": {type(self._failure).__name__}: {self._failure}" if self._failure is not None else ""
+                    slot.error = RuntimeError(f"{self._name} stopped before this request was decoded{why}")
                     slot.done.set()
 
     def _answer(self, batch: list[_Slot]) -> None:

@@ -111,9 +111,10 @@ def test_a_closed_loop_keeps_its_batches_whole(make):
     for t in threads:
         t.join(20)
     sizes = [len(b) for b in decode.batches]
-    # The first request goes alone (nothing else was in flight yet), so its user runs one batch ahead
-    # and the last batch lacks it; every batch between has all 8.
-    assert sizes == [1] + [8] * (rounds - 1) + [7], sizes
+    # The first batch goes before all 8 are in flight (nothing else was yet), so its users run one
+    # batch ahead and the last batch lacks them; every batch between has all 8.
+    assert sum(sizes) == 8 * rounds and sizes[0] + sizes[-1] == 8, sizes
+    assert sizes[1:-1] == [8] * (rounds - 1), sizes
 
 
 def test_a_refused_request_gets_its_own_answer_and_its_batch_is_answered(make):
@@ -201,6 +202,38 @@ def test_no_batch_is_larger_than_max_requests(make):
     first.join(10)
     assert [len(b) for b in decode.batches] == [1, 4, 4, 2]
     assert out == {i: {"answer": i * 10} for i in range(1, 11)}
+
+
+def test_after_batch_runs_once_the_answers_are_out(make):
+    seen = []
+    answered = threading.Event()
+
+    def decode(items):
+        return [i * 10 for i in items]
+
+    def after():
+        seen.append(answered.wait(5))  # the caller has its answer before the housekeeping runs
+
+    batcher = make(decode)
+    batcher._after_batch = after
+    assert batcher.submit(1) == 10
+    answered.set()
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [True]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's failure is the point
+def test_a_failing_after_batch_stops_the_batcher_and_says_why(make):
+    def after():
+        raise OSError("trim failed")
+
+    batcher = Batcher(lambda items: [i * 10 for i in items], BatchPolicy(4), after_batch=after)
+    assert batcher.submit(1) == 10  # the answer is out before the housekeeping fails
+    batcher._thread.join(5)
+    with pytest.raises(RuntimeError, match="closed: its decoder thread failed: OSError: trim failed"):
+        batcher.submit(2)
 
 
 def test_close_answers_what_is_waiting_then_refuses_new_requests(make):

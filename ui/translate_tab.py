@@ -30,16 +30,14 @@ def build(loaded: Loaded) -> None:
     def decode(requests: list[tuple]) -> list[dict]:
         """One batch of (text, num_beams, backend) requests: one answer each, in order."""
         texts, beams, backends = (list(column) for column in zip(*requests))
-        try:
-            answers = translate_batch(
-                loaded.backends, texts, beams, backends, default=default, limits=loaded.limits,
-                max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic,
-            )
-        finally:
-            trim_heap()
+        answers = translate_batch(
+            loaded.backends, texts, beams, backends, default=default, limits=loaded.limits,
+            max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic,
+        )
         return [a.to_json() for a in answers]
 
-    batcher = Batcher(decode, loaded.batching, name="translate-batcher")
+    # The heap is trimmed after each batch, once its callers have their answers.
+    batcher = Batcher(decode, loaded.batching, name="translate-batcher", after_batch=trim_heap)
 
     with gr.Tab("Translate", id="translate", elem_id="tab-translate") as tab:
         gr.Markdown(
