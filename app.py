@@ -26,6 +26,7 @@ import gradio as gr
 
 from backends.memory import limit_arenas
 from corpus import read_sentences
+from families import FAMILIES
 from service import RequestLimits
 from service.batcher import BatchPolicy
 from service.translate import MAX_REQUESTS
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default=os.environ.get("MODEL_ID") or str(DEFAULT_MODEL),
-        help="model folder (Marian, NLLB-200/M2M100, mBART-50), hub id, or an export folder (default: $MODEL_ID, else the embedded model)",
+        help=f"model folder ({', '.join(f.title for f in FAMILIES.values())}), hub id, or an export folder "
+        "(default: $MODEL_ID, else the embedded model)",
     )
     parser.add_argument("--export-dir", type=Path, default=None, help="where to export (default: exports/<model name>)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="cap per translation (default: model limit)")

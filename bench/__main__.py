@@ -7,6 +7,8 @@
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
                           [--target compare|translate] [--duration S] [--baseline-export DIR]
+  python -m bench load-curve (--url URL [--pid PID] | --launch [-- APP_ARGS]) --backends A,B [--users 1,2,...,64]
+                          [--duration 30] [--out DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
 
 Each writes results.json and report.md (speed: also PNG plots) into --out, by default
@@ -25,6 +27,7 @@ from pathlib import Path
 from . import peers as peers_mod
 from .data import DEFAULT_TSV, RESULTS, resolve_model, sentences_arg
 from .decoding import SWEEP_IS_GREEDY, resolve_decoding
+from .load_curve import DEFAULT_USERS
 
 
 def _csv(value: str) -> list[str]:
@@ -205,7 +208,7 @@ def load(args) -> int:
         think_s=args.think, warmup=args.warmup, rss_every=args.rss_every, repeat=args.repeat, tsv=args.tsv,
         seed=args.seed, start_timeout_s=args.start_timeout, target=args.target, duration_s=args.duration,
         baseline_export=args.baseline_export, threads=args.baseline_threads, baseline_batches=args.baseline_batches,
-        baseline_rounds=args.baseline_rounds)
+        baseline_rounds=args.baseline_rounds, backend=args.backend)
     results = load_mod.run(options, args.out, log=lambda m: print(m, flush=True))
     print(summary_table(results))
     print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}", flush=True)
@@ -216,6 +219,25 @@ def load(args) -> int:
         print(f"error: {len(c['unfinished_users'])} users still waiting past the deadline", file=sys.stderr, flush=True)
         os._exit(1)
     return 1 if c["error"] or c["not_sent"] else 0
+
+
+def load_curve(args) -> int:
+    from . import load as load_mod
+    from . import load_curve as curve_mod
+
+    app_args = args.app_args[1:] if args.app_args[:1] == ["--"] else args.app_args
+    if app_args and not args.launch:
+        raise ValueError(f"arguments for app.py ({' '.join(app_args)}) need --launch")
+    base = load_mod.LoadOptions(
+        url=args.url, launch_args=tuple(app_args) if args.launch else None, pid=args.pid, target="translate",
+        timeout_s=args.timeout, warmup=args.warmup, tsv=args.tsv, seed=args.seed, start_timeout_s=args.start_timeout,
+        requests=100_000, deadline_s=3600.0)
+    options = curve_mod.CurveOptions(backends=tuple(args.backends), users=tuple(args.users), duration_s=args.duration,
+                                     base=base)
+    curve = curve_mod.run(options, args.out, log=lambda m: print(m, flush=True))
+    print(curve_mod.markdown(curve))
+    print(f"wrote {args.out / 'curve.json'}, {args.out / 'curve.md'}", flush=True)
+    return 1 if any(p["errors"] for p in curve["points"]) else 0
 
 
 def locate(args) -> int:
@@ -324,6 +346,7 @@ def main(argv=None) -> int:
     lp.add_argument("--target", choices=("compare", "translate"), default="compare",
                     help="the endpoint: compare (every backend) or translate (one sentence per request, batched)")
     lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
+    lp.add_argument("--backend", help="translate: the backend every request names (default: the app's default)")
     lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "
                     "at each --baseline-batches size from this export (the one the app serves) on the same sentences")
     lp.add_argument("--baseline-batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=(32, 16),
@@ -345,6 +368,25 @@ def main(argv=None) -> int:
     lp.add_argument("--out", type=Path, default=RESULTS / "load")
     lp.add_argument("app_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     lp.set_defaults(func=load)
+
+    cp = sub.add_parser("load-curve", help="the translate endpoint under 1..64 closed-loop users, per backend: "
+                        "sentences/s and P50/P95/P99 per point (the Benchmark tab's load plots)")
+    target = cp.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running app, e.g. http://127.0.0.1:7860/")
+    target.add_argument("--launch", action="store_true", help="start app.py (arguments after -- go to it), sweep, stop it")
+    cp.add_argument("--pid", type=int, help="with --url: the app's process id, for its memory")
+    cp.add_argument("--backends", type=_csv, required=True, help="comma-separated: each request names one")
+    cp.add_argument("--users", type=_ints, default=list(DEFAULT_USERS),
+                    help=f"rising user counts (default {','.join(map(str, DEFAULT_USERS))})")
+    cp.add_argument("--duration", type=float, default=30.0, help="seconds per point after its warm-up")
+    cp.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is cancelled")
+    cp.add_argument("--warmup", type=int, default=2, help="requests one at a time before each point, not counted")
+    cp.add_argument("--tsv", type=Path, default=DEFAULT_TSV)
+    cp.add_argument("--seed", type=int, default=0)
+    cp.add_argument("--start-timeout", type=float, default=900.0)
+    cp.add_argument("--out", type=Path, default=RESULTS / "load-curve")
+    cp.add_argument("app_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    cp.set_defaults(func=load_curve)
 
     xp = sub.add_parser("locate", help="which module of a backend's graph drifted from PyTorch at one step")
     xp.add_argument("export_dir", type=Path)

@@ -80,6 +80,7 @@ class LoadOptions:
     # the baseline's batch sizes, timed in alternating rounds so each ratio is side by side with the others
     baseline_batches: tuple[int, ...] = (32, 16)
     baseline_rounds: int = 3
+    backend: str | None = None  # translate: the backend each request names (None: the app's default)
 
     def __post_init__(self):
         problems = []
@@ -101,6 +102,8 @@ class LoadOptions:
             problems.append(f"--duration must be positive, got {self.duration_s}")
         if self.target == "translate" and self.repeat != 1:
             problems.append("--repeat is the compare endpoint's; translate runs each request once")
+        if self.backend is not None and self.target != "translate":
+            problems.append("--backend is for --target translate (compare runs every backend)")
         if self.baseline_export is not None and self.target != "translate":
             problems.append("--baseline-export is for --target translate")
         if not self.baseline_batches or any(not isinstance(b, int) or b < 1 for b in self.baseline_batches):
@@ -238,7 +241,7 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     sent, start = datetime.now(), time.perf_counter()
     translate = options.target == "translate"
     if translate:
-        job = client.submit(text, api_name="/translate")
+        job = client.submit(text, None, options.backend, api_name="/translate")
     else:
         job = client.submit(text, options.repeat, api_name="/compare")
     try:

@@ -3,7 +3,7 @@ the same modules), with a layout of their own, not BART's:
 relative position buckets (one bias table per stack, in its first block, shared by the others), RMS LayerNorm without bias before each sub-layer and after each stack,
 unscaled attention scores, a ReLU (T5) or gated-GELU (v1.1, mT5, MADLAD) feed-forward, the output
 layer rescaled by `d_model ** -0.5` when it is tied to the embedding, and the decoder starting from
-pad. MADLAD-400 names the target language with a token such as `<2zh>` before the source text; a
+`decoder_start_token_id` (T5's pad 0; MADLAD's 0 is unk, its pad 1). MADLAD-400 names the target language with a token such as `<2zh>` before the source text; a
 T5 vocabulary without such tokens has no language codes."""
 
 from __future__ import annotations
@@ -86,8 +86,22 @@ def t5_shape(config) -> dict:
 T5_LAYOUT = Layout(name="t5", wrappers="export.t5_wrappers", attention="export.attention", naming=T5Naming(),
                    shape=t5_shape)
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """Where a sentencepiece model puts its special pieces, and the config ids that follow."""
+
+    spm: dict  # SentencePieceTrainer's unk_id, bos_id, eos_id, pad_id (-1: none)
+    config: dict  # pad_token_id, eos_token_id, decoder_start_token_id
+    pad_token: str | None = None  # the tokenizer's pad piece, where the spm model has no pad of its own
+
+
 # T5's sentencepiece layout: pad 0 (also the decoder start), eos 1, unk 2, no bos.
-T5_IDS = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
+T5_IDS = SpecialIds(spm={"pad_id": 0, "eos_id": 1, "unk_id": 2, "bos_id": -1},
+                    config={"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0})
+# MADLAD-400's (its config.json and tokenizer_config.json): unk 0, <s> 1 serving as pad, eos 2, and
+# the decoder starting from 0 (unk), not from pad.
+MADLAD_IDS = SpecialIds(spm={"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1},
+                        config={"pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}, pad_token="<s>")
 # MADLAD-400's target-language tokens look like this; a few of them in the tiny fixture.
 TARGET_TOKEN = "<2{}>"
 _FIXTURE_LANGUAGES = ("zh", "en", "de", "fr", "ja", "es")
@@ -97,7 +111,11 @@ _FIXTURE_LANGUAGES = ("zh", "en", "de", "fr", "ja", "es")
 class T5Fixture:
     """A random-weight T5 folder: a unigram sentencepiece model trained on both sides of a corpus
     sample (T5's ids: pad 0, eos 1, unk 2), MADLAD's `<2xx>` tokens where `target_tokens`, and the
-    model saved tied (the output layer is the embedding, rescaled) or untied as `config` says."""
+    model saved tied (the output layer is the embedding, rescaled) or untied as `config` says.
+
+    `streamed` writes the weights block by block without ever holding the model (`random_weights`),
+    for the fixtures at a published model's full size; its vocabulary may then be larger than the
+    tokenizer's (a corpus sample cannot fill 256k pieces), as in `nllb-600m-random`."""
 
     config: dict
     spm_size: int
@@ -106,6 +124,9 @@ class T5Fixture:
     extra_ids: int = 0
     generation: dict = field(default_factory=dict, hash=False)
     architecture: str = "T5ForConditionalGeneration"  # or mT5's class, the same layout
+    ids: SpecialIds = T5_IDS
+    streamed: bool = False
+    character_coverage: float = 0.98
 
     def write_tokenizer(self, out: Path, pairs: list[tuple[str, str]]):
         import sentencepiece as spm
@@ -118,36 +139,61 @@ class T5Fixture:
             text.write_text("\n".join(x for pair in pairs for x in pair) + "\n", encoding="utf-8")
             spm.SentencePieceTrainer.train(
                 input=str(text), model_prefix=str(work / "spiece"), model_type="unigram", vocab_size=self.spm_size,
-                character_coverage=0.98, hard_vocab_limit=False, num_threads=1, minloglevel=2, input_sentence_size=0,
-                pad_id=0, eos_id=1, unk_id=2, bos_id=-1, user_defined_symbols=symbols,
+                character_coverage=self.character_coverage, hard_vocab_limit=False, num_threads=1, minloglevel=2,
+                input_sentence_size=0, user_defined_symbols=symbols, **self.ids.spm,
             )
-            (work / "tokenizer_config.json").write_text(
-                json.dumps({"tokenizer_class": "T5Tokenizer", "extra_ids": self.extra_ids,
-                            "model_max_length": T5_POSITIONS}), encoding="utf-8")
+            settings = {"tokenizer_class": "T5Tokenizer", "extra_ids": self.extra_ids, "model_max_length": T5_POSITIONS}
+            if self.ids.pad_token:
+                settings["pad_token"] = self.ids.pad_token
+            (work / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
             tokenizer = transformers.T5Tokenizer.from_pretrained(str(work))
             tokenizer.save_pretrained(str(out))
         tokenizer = transformers.T5Tokenizer.from_pretrained(str(out))
         text = (TARGET_TOKEN.format("zh") + " " if self.target_tokens else "") + "Click OK to save the document."
         ids = tokenizer(text).input_ids
+        expected = (self.ids.config["pad_token_id"], self.ids.config["eos_token_id"])
+        if (tokenizer.pad_token_id, tokenizer.eos_token_id) != expected:
+            raise AssertionError(f"T5Tokenizer fixture has pad, eos {tokenizer.pad_token_id, tokenizer.eos_token_id}, "
+                                 f"not {expected}")
         if ids[-1] != tokenizer.eos_token_id or tokenizer.unk_token_id in ids or (
                 self.target_tokens and tokenizer.convert_ids_to_tokens(ids[0]) != TARGET_TOKEN.format("zh")):
             raise AssertionError(f"T5Tokenizer fixture encodes {text!r} as {ids}")
         return tokenizer
 
     def build(self, out: Path, pairs: list[tuple[str, str]], seed: int) -> None:
-        import torch
         import transformers
-        from safetensors.torch import load_file, save_file
+
+        from . import random_weights
 
         tokenizer = self.write_tokenizer(out, pairs)
         model_class = getattr(transformers, self.architecture)
         config = model_class.config_class(
-            **{**self.config, **T5_IDS, "vocab_size": self.config.get("vocab_size") or len(tokenizer)},
+            **{**self.config, **self.ids.config, "vocab_size": self.config.get("vocab_size") or len(tokenizer)},
             architectures=[self.architecture])
         tied = self.config.get("tie_word_embeddings", True)
+        if self.streamed:
+            config.save_pretrained(out)
+            generation = transformers.GenerationConfig.from_model_config(config)
+            for key, value in {**self.ids.config, **self.generation}.items():
+                setattr(generation, key, value)
+            generation.save_pretrained(out)
+            random_weights.write(model_class, config, out / "model.safetensors", seed, _T5_UNITS,
+                                 untie={} if tied else {"lm_head": 1.0})
+        else:
+            self._save(model_class, config, out, seed, tied)
+        if not tied:
+            data = json.loads((out / "config.json").read_text(encoding="utf-8"))
+            data["tie_word_embeddings"] = False
+            data.pop("scale_decoder_outputs", None)
+            (out / "config.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+    def _save(self, model_class, config, out: Path, seed: int, tied: bool) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
         torch.manual_seed(seed)
         model = model_class(config).eval()
-        for key, value in {**T5_IDS, **self.generation}.items():
+        for key, value in {**self.ids.config, **self.generation}.items():
             setattr(model.generation_config, key, value)
         model.save_pretrained(out, safe_serialization=True)
         if not tied:
@@ -158,15 +204,19 @@ class T5Fixture:
             generator = torch.Generator().manual_seed(seed + 1)
             tensors["lm_head.weight"] = torch.randn(tensors["shared.weight"].shape, generator=generator)
             save_file(tensors, str(weights), metadata={"format": "pt"})
-            data = json.loads((out / "config.json").read_text(encoding="utf-8"))
-            data["tie_word_embeddings"] = False
-            data.pop("scale_decoder_outputs", None)
-            (out / "config.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
 
+
+# The sub-layers whose init sets their children's weights (T5Attention its q/k/v/o, the feed-forward its wi/wo).
+_T5_UNITS = ("T5LayerSelfAttention", "T5LayerCrossAttention", "T5LayerFF")
 
 _TINY = {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4,
          "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "dropout_rate": 0.1,
          "layer_norm_epsilon": 1e-6}
+# google/madlad400-3b-mt's config.json (its special ids are MADLAD_IDS).
+MADLAD_3B = {"d_model": 1024, "d_kv": 128, "d_ff": 8192, "num_layers": 32, "num_decoder_layers": 32, "num_heads": 16,
+             "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "dropout_rate": 0.1,
+             "layer_norm_epsilon": 1e-6, "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+             "vocab_size": 256000}
 _FILES = ("tokenizer_config.json", frozenset({"tokenizer.json", "spiece.model"}))
 
 T5 = Family(
@@ -194,7 +244,11 @@ T5 = Family(
         # MADLAD-400's structure: gated-GELU, d_kv not d_model / heads, an untied output layer, `<2xx>` tokens.
         "madlad-tiny": T5Fixture(config={**_TINY, "d_kv": 16, "feed_forward_proj": "gated-gelu",
                                          "tie_word_embeddings": False},
-                                 spm_size=2000, sample_pairs=4000, target_tokens=True),
+                                 spm_size=2000, sample_pairs=4000, target_tokens=True, ids=MADLAD_IDS),
+        # google/madlad400-3b-mt's exact configuration (2.94B parameters, 11.8 GB in fp32), written
+        # block by block; its tokenizer is smaller than the 256,000-id vocabulary, as nllb-600m-random's.
+        "madlad-3b-random": T5Fixture(config=MADLAD_3B, spm_size=8000, sample_pairs=30000, character_coverage=0.9995,
+                                      target_tokens=True, ids=MADLAD_IDS, streamed=True),
         # `madlad-tiny` with its last decoder block's feed-forward peaking past fp16's range: the guard on T5.
         "madlad-tiny-overflow": OverflowFixture("madlad-tiny"),
     },

@@ -103,6 +103,10 @@ def test_benchmark_tab_runs_two_sentences_and_shows_the_saved_report(page, resul
     assert table_rows(page, "bench-table") == greedy["rows"]
     for run in reference["runs"][1:]:
         page.locator("#bench-method").get_by_text(f"{run['title']}: reference, not measured on this host").wait_for()
+    # and the shipped load curve, plotted, marked as measured elsewhere
+    page.locator("#load-curve-header").get_by_text("reference, not measured on this host").wait_for()
+    for plot in ("#load-curve-throughput", "#load-curve-p99"):
+        page.locator(f"{plot} canvas, {plot} svg").first.wait_for()
     page.wait_for_timeout(500)
     page.screenshot(path=str(artifacts_dir / "test-tab-benchmark-reference.png"), full_page=True)
 
@@ -133,6 +137,25 @@ def test_benchmark_tab_runs_two_sentences_and_shows_the_saved_report(page, resul
     shot = artifacts_dir / "test-tab-benchmark.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 30_000
+
+
+def test_benchmark_tab_plots_this_hosts_load_curve(page, results_dir, artifacts_dir):
+    points = [{"backend": b, "users": u, "sentences_per_s": rate * u / (1 + u / 8), "p50_ms": 100.0 + 20 * u,
+               "p95_ms": 120.0 + 30 * u, "p99_ms": 130.0 + 40 * u, "ok": 10 * u, "busy": 0, "errors": 0}
+              for b, rate in (("ort_fp32_kv_cache", 10.0), ("ort_int8", 14.0)) for u in (1, 4, 16)]
+    (results_dir / "load-curve-test").mkdir()
+    (results_dir / "load-curve-test" / "curve.json").write_text(json.dumps(
+        {"kind": "load_curve", "date_utc": "2026-12-05 08:00", "method": "closed loop (test)", "points": points}))
+    page.get_by_role("tab", name="Translate").click()
+    page.get_by_role("tab", name="Benchmark").click()  # opening the tab reads the newest curve
+    page.locator("#load-curve-header").get_by_text("measured on this host").wait_for()
+    assert "0 busy, 0 errors" in page.locator("#load-curve-header").inner_text()
+    for plot in ("#load-curve-throughput", "#load-curve-p99"):
+        page.locator(f"{plot} canvas, {plot} svg").first.wait_for()
+    page.locator("#load-curve-p99").get_by_text("ort_int8").first.wait_for()  # the legend names each backend
+    page.locator("#load-curve-p99").scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(artifacts_dir / "test-tab-benchmark-load-curve.png"), full_page=True)
 
 
 def test_spotcheck_tab_runs_two_sentences_and_downloads_the_report(page, artifacts_dir, tmp_path):

@@ -99,7 +99,9 @@ def test_the_sidecar_records_t5s_shape_ids_and_languages(t5_folders):
     m = load_manifest(export_dir)
     assert m.family == ("mt5" if export_dir.name == "mt5-tiny" else "t5")
     assert m.data["family"]["positions"] == "relative" and m.data["family"]["pre_norm"]
-    assert (m.special.decoder_start, m.special.pad, m.special.eos) == (0, 0, 1)
+    # T5's ids: the decoder starts from pad 0, eos 1; MADLAD's: from 0 (unk), pad 1 (<s>), eos 2
+    expected = (0, 1, 2) if export_dir.name.startswith("madlad") else (0, 0, 1)
+    assert (m.special.decoder_start, m.special.pad, m.special.eos) == expected
     assert m.generation.forced_bos_token_id is None  # a target token goes before the source, nothing is forced
     model = m.data["model"]
     if export_dir.name == "t5-tiny":
@@ -142,7 +144,7 @@ def test_madlad_target_token_goes_before_the_source_and_can_be_overridden(madlad
                              session=SessionConfig(threads=1))
     tok = backends["pytorch"].tokenizer
     ids = tok.encode(["Hello world."], 64).input_ids[0].tolist()
-    assert tok.pieces(ids[:1]) == ["<2de>"] and ids[-1] == 1
+    assert tok.pieces(ids[:1]) == ["<2de>"] and ids[-1] == 2  # MADLAD's eos
     texts = dev_sentences(3)
     expected = _generate(model_dir, texts, "<2de> ", num_beams=1)
     assert expected != _generate(model_dir, texts, "<2zh> ", num_beams=1)  # the token changes the output

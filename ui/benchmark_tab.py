@@ -32,6 +32,7 @@ from service.reference import load_reference
 from service.reports import failure_line, find_reports, load_report
 from service.speedrun import not_measured
 
+from . import load_plots
 from .machine import load_warning
 from .state import REPO
 
@@ -345,6 +346,7 @@ def build(loaded) -> None:
         method = gr.Markdown(first.method, elem_id="bench-method")
         with gr.Accordion("The full report (report.md)", open=False):
             markdown = gr.Markdown(first.markdown, elem_id="bench-markdown")
+        load_shown, load_values = load_plots.build(loaded)
 
     shown = [picker, header, results_table, notes, *images, claims, method, markdown]
 
@@ -355,7 +357,7 @@ def build(loaded) -> None:
                 v.markdown)
 
     def refresh() -> tuple:
-        return values(view(loaded))
+        return (*values(view(loaded)), *load_values())
 
     def pick(path: str | None) -> tuple:
         return values(view(loaded, path))
@@ -367,7 +369,7 @@ def build(loaded) -> None:
             return (f"⚠️ **{e}**", *[gr.skip()] * len(shown))
         return (msg, *values(v))
 
-    tab.select(refresh, outputs=shown, api_visibility="private", show_progress="hidden")
+    tab.select(refresh, outputs=[*shown, *load_shown], api_visibility="private", show_progress="hidden")
     picker.input(pick, inputs=[picker], outputs=shown, api_visibility="private")
     go.click(
         run, inputs=[count], outputs=[status, *shown], concurrency_limit=1, concurrency_id="model",
