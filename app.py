@@ -28,6 +28,8 @@ from backends.memory import limit_arenas
 from corpus import read_sentences
 from families import FAMILIES
 from service import RequestLimits
+from service.batcher import BatchPolicy
+from service.translate import MAX_REQUESTS
 from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab, translate_tab
 from ui.compare_render import CSS, LABELS
 from ui.state import REPO, Loaded, model_heading
@@ -36,7 +38,7 @@ logger = logging.getLogger("app")
 
 DEFAULT_MODEL = REPO / "assets" / "marian-en-zh-small"
 EXAMPLES_TSV = REPO / "assets" / "examples.tsv"
-QUEUE_SIZE = 8  # waiting requests beyond one running; more get "busy, try again"
+QUEUE_SIZE = 64  # waiting requests beyond those running; more get "busy, try again"
 
 __all__ = ["CSS", "Loaded", "build_app", "main"]
 
@@ -44,7 +46,7 @@ __all__ = ["CSS", "Loaded", "build_app", "main"]
 def build_app(loaded: Loaded) -> gr.Blocks:
     """The page: a header naming the model and what loaded, then the Compare, Benchmark, Batch
     spot-check and Translate tabs. Every tab's model work shares one slot (concurrency_id "model"),
-    except Translate's batched decodes, which have their own ("translate")."""
+    except Translate's requests, which have their own ("translate") and are batched by its batcher."""
     names = loaded.names
     heading = model_heading(loaded.manifest)  # "NLLB-200 eng_Latn→zho_Hans", "Marian en→zh"
     with gr.Blocks(title=f"{heading}: PyTorch vs ONNX Runtime") as demo:
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="threads per backend (default: physical cores)")
     parser.add_argument("--examples", type=Path, default=EXAMPLES_TSV, help="TSV with an 'en' column of example inputs")
     parser.add_argument("--queue-size", type=int, default=QUEUE_SIZE, help="waiting requests before 'busy, try again'")
+    parser.add_argument(
+        "--batch-wait-ms", type=float, default=BatchPolicy.max_wait_ms,
+        help="translate: how long a free decoder waits for more requests to join a batch (default: %(default)g)",
+    )
     limits = RequestLimits()
     parser.add_argument("--max-chars", type=int, default=limits.max_chars, help="longest text one request takes")
     parser.add_argument(
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     limit_arenas()  # before gradio's worker threads allocate: see backends/memory.py
     try:
         limits = RequestLimits(args.max_chars, args.max_segments, args.max_seconds, max_beams=args.max_beams)
+        batching = BatchPolicy(MAX_REQUESTS, max_wait_ms=args.batch_wait_ms)
     except ValueError as e:
         parser.error(str(e))
     # Our loggers at INFO; third-party ones (httpx, the quantizer's root logging) at WARNING.
@@ -212,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, err in errors.items():
         logger.warning("backend %s failed to load (shown in its panel): %s", name, err)
-    loaded = Loaded(backends, errors, args.model, export_dir, note, args.max_new_tokens, examples, limits=limits)
+    loaded = Loaded(backends, errors, args.model, export_dir, note, args.max_new_tokens, examples, limits=limits,
+                    batching=batching)
     demo = build_app(loaded)
     demo.queue(max_size=args.queue_size, default_concurrency_limit=1)
     demo.launch(

@@ -208,7 +208,8 @@ def load(args) -> int:
         requests=args.requests, timeout_s=args.timeout, deadline_s=args.deadline, busy_backoff_s=args.busy_backoff,
         think_s=args.think, warmup=args.warmup, rss_every=args.rss_every, repeat=args.repeat, tsv=args.tsv,
         seed=args.seed, start_timeout_s=args.start_timeout, target=args.target, duration_s=args.duration,
-        baseline_export=args.baseline_export, threads=args.baseline_threads, backend=args.backend)
+        baseline_export=args.baseline_export, threads=args.baseline_threads, baseline_batches=args.baseline_batches,
+        baseline_rounds=args.baseline_rounds, backend=args.backend)
     results = load_mod.run(options, args.out, log=lambda m: print(m, flush=True))
     print(summary_table(results))
     print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}", flush=True)
@@ -350,7 +351,11 @@ def main(argv=None) -> int:
     lp.add_argument("--backend", help="translate, serve: the backend every request names (default: the server's "
                     "default)")
     lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "
-                    "at batch 32 from this export (the one the app serves) on the same sentences")
+                    "at each --baseline-batches size from this export (the one the app serves) on the same sentences")
+    lp.add_argument("--baseline-batches", type=lambda v: tuple(int(x) for x in v.split(",")), default=(32, 16),
+                    help="the baseline's batch sizes, comma-separated (default: 32,16)")
+    lp.add_argument("--baseline-rounds", type=int, default=3, help="the baseline's alternating rounds; the median "
+                    "counts (default: 3)")
     lp.add_argument("--baseline-threads", type=int, help="the baseline's threads (default: physical cores, as the "
                     "app's --threads)")
     lp.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is cancelled")

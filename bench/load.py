@@ -79,9 +79,12 @@ class LoadOptions:
     start_timeout_s: float = 900.0  # with launch: a first start exports the embedded model
     target: str = "compare"  # the endpoint driven, one of TARGETS
     duration_s: float | None = None  # send requests for this long after the warm-up (then `requests` is a cap)
-    # translate: after the run, the served backend's offline batch-32 throughput from this export
+    # translate: after the run, the served backend's offline throughput from this export
     baseline_export: Path | None = None
     threads: int | None = None  # the baseline's threads: the app's --threads
+    # the baseline's batch sizes, timed in alternating rounds so each ratio is side by side with the others
+    baseline_batches: tuple[int, ...] = (32, 16)
+    baseline_rounds: int = 3
     backend: str | None = None  # translate: the backend each request names (None: the app's default)
 
     def __post_init__(self):
@@ -111,6 +114,10 @@ class LoadOptions:
         if self.target == "serve" and self.launch_args is not None:
             problems.append("--target serve drives a running `python -m service.serve`: give --url "
                             "http://HOST:PORT/translate (--launch starts app.py)")
+        if not self.baseline_batches or any(not isinstance(b, int) or b < 1 for b in self.baseline_batches):
+            problems.append(f"--baseline-batches must be whole numbers of at least 1, got {self.baseline_batches}")
+        if self.baseline_rounds < 1:
+            problems.append(f"--baseline-rounds must be at least 1, got {self.baseline_rounds}")
         for name in ("timeout_s", "deadline_s", "start_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
@@ -396,8 +403,9 @@ def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], 
                    env, cpu_s(rusage_end) - cpu_s(rusage_start))
 
 
-def baseline(options: LoadOptions, results: dict, log: Callable[[str], None]) -> dict:
-    """The served backend's offline batch-32 throughput on the run's sentences, and the run's share of it."""
+def baseline(options: LoadOptions, results: dict, log: Callable[[str], None]) -> list[dict]:
+    """The served backend's offline throughput at each baseline batch size on the run's sentences,
+    and the run's share of each."""
     from .load_baseline import offline_throughput
 
     served, decodings = results["served"]["backends"], results["served"]["decodings"]
@@ -405,13 +413,17 @@ def baseline(options: LoadOptions, results: dict, log: Callable[[str], None]) ->
         raise RuntimeError(f"the translate answers named backends {served} and decodings {decodings}; the "
                            "baseline needs exactly one of each")
     texts = [p.en for p in default_sample(options.requests, options.tsv, options.seed)]
-    log(f"offline baseline: {served[0]} at batch 32 over {len(texts)} sentences ...")
+    sizes = ", ".join(map(str, options.baseline_batches))
+    log(f"offline baseline: {served[0]} at batch {sizes}, {options.baseline_rounds} alternating rounds over "
+        f"{len(texts)} sentences ...")
     d = decodings[0]
-    b = offline_throughput(options.baseline_export, served[0], texts, threads=options.threads,
-                           num_beams=d["num_beams"], max_new_tokens=d["max_new_tokens"])
+    out = offline_throughput(options.baseline_export, served[0], texts, batch_sizes=options.baseline_batches,
+                             rounds=options.baseline_rounds, threads=options.threads,
+                             num_beams=d["num_beams"], max_new_tokens=d["max_new_tokens"])
     rate = results["throughput_ok_per_s"]
-    b["load_over_offline"] = round(rate / b["sentences_per_s"], 3) if rate else None
-    return b
+    for b in out:
+        b["load_over_offline"] = round(rate / b["sentences_per_s"], 3) if rate else None
+    return out
 
 
 def run(options: LoadOptions, out: Path, log: Callable[[str], None] = print) -> dict:

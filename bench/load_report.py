@@ -129,19 +129,25 @@ def render(r: dict) -> str:
 
 
 def translate_lines(r: dict) -> list[str]:
-    """What the translate endpoint's batching did, and the offline batch-32 baseline when measured."""
-    together, base = r.get("decoded_together"), r.get("baseline")
+    """What the translate endpoint's batching did, and the offline baselines when measured."""
+    together, bases = r.get("decoded_together"), r.get("baseline") or []
     out = []
     if together:
         served = r["served"]
-        out += ["", f"Requests decoded together (the server's batches: Gradio's or Ray Serve's, per ok request): median {_f(together['p50'])}, "
+        out += ["", f"Requests decoded together (the server's batches: the app's batcher or Ray Serve's, per ok request): median {_f(together['p50'])}, "
                 f"mean {_f(together['mean'], 1)}, max {_f(together['max'])}; backend {', '.join(served['backends'])}."]
-    if base:
+    sizes = r.get("batch_sizes")
+    if sizes:
+        out += ["", "Batch sizes (size: ok requests decoded in a batch of that size): "
+                + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+                + f"; the decoder was busy {_pct(r.get('decoder_busy_share'))} of the run."]
+    for base in bases:
         out += ["", f"Offline, the same backend ({base['backend']}) at batch {base['batch_size']} with the same "
                 f"decoding (num_beams {base['num_beams']}, max_new_tokens {base['max_new_tokens']}) on the run's "
-                f"{base['sentences']} sentences: {_f(base['sentences_per_s'], 1)} sentences/s; under load "
-                f"{_f(r['throughput_ok_per_s'], 1)} sentences/s, **{_f(base['load_over_offline'], 2)}×** the offline "
-                "rate (measured after the app stopped, in the load generator's process)."]
+                f"{base['sentences']} sentences: {_f(base['sentences_per_s'], 1)} sentences/s (median of "
+                f"{len(base['rounds_s'])} rounds); under load {_f(r['throughput_ok_per_s'], 1)} sentences/s, "
+                f"**{_f(base['load_over_offline'], 2)}×** the offline rate (measured after the app stopped, in the "
+                "load generator's process)."]
     return out
 
 

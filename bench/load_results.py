@@ -106,6 +106,8 @@ def collect(url, options, pid, pairs, warmup, records, samples, stuck, run_s, se
         "queue_rank_on_join": summary([r.rank_on_join for r in ok]),
         "output_tokens": summary([r.tokens for r in ok]),
         "decoded_together": summary([r.decoded_together for r in ok]),
+        "batch_sizes": batch_sizes(ok),
+        "decoder_busy_share": decoder_busy_share(ok, run_s),
         "served": {"backends": sorted({r.backend for r in ok if r.backend}),
                    "decodings": [dict(d) for d in {tuple(sorted(r.decoding.items())) for r in ok if r.decoding}]},
         "capped": {name: n for name in sorted({c for r in ok for c in r.capped})
@@ -117,6 +119,20 @@ def collect(url, options, pid, pairs, warmup, records, samples, stuck, run_s, se
         "what_is_timed": WHAT_IS_TIMED,
         "not_measured": NOT_MEASURED,
     }
+
+
+def batch_sizes(ok) -> dict[int, int] | None:
+    """translate: batch size -> the ok requests decoded in a batch of that size (divide by the size
+    for batches; a batch cut by the run's start or end counts only its requests inside it)."""
+    sizes = [r.decoded_together for r in ok if r.decoded_together is not None]
+    return {size: sizes.count(size) for size in sorted(set(sizes))} or None
+
+
+def decoder_busy_share(ok, run_s: float) -> float | None:
+    """translate: the share of the run the decoder spent decoding, from each ok request's share of
+    its batch's decode time (its decode wall time over its batch size)."""
+    shares = [r.compute_ms / r.decoded_together for r in ok if r.decoded_together and r.compute_ms is not None]
+    return round(sum(shares) / 1000 / run_s, 3) if shares and run_s > 0 else None
 
 
 def _rate(n: int, of: int) -> float | None:

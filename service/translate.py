@@ -1,7 +1,7 @@
 """The `translate` request: one backend, many concurrent requests decoded together.
 
-The app's `translate` endpoint is batched by Gradio's queue: requests that wait together reach
-`translate_batch` as lists, one item per request. Each request is checked alone (the same input
+The app's `translate` endpoint is batched by `service.batcher.Batcher`: requests that wait together
+reach `translate_batch` as lists, one item per request. Each request is checked alone (the same input
 rules and limits as `compare`: `limits.plan`, `limits.decoding_for`); a refused one gets its
 `error` and takes no part in the decode, the others go on. The accepted requests' sentences are
 pooled per (backend, decoding) and translated in as few `Backend.translate` calls as the batch
@@ -21,7 +21,7 @@ The answer, per request (`TranslateAnswer.to_json`):
      "timings_ms": {"decode"}}
 
 `text` is null exactly when `error` is set. `batch` says what the request shared: `requests`
-arrived together (Gradio's batch), `refused` of them were refused, `decoded_together` went
+were taken together (the batcher's batch), `refused` of them were refused, `decoded_together` went
 through the same decode as this one (same backend and decoding), with `sentences` sentences in
 `calls` Backend.translate calls; `timings_ms.decode` is the wall time of those calls, which the
 request waited for as a whole.
@@ -49,7 +49,7 @@ from .segment import Segment, join_translations
 
 logger = logging.getLogger("service.translate")
 
-# Requests one decode takes (Gradio's max_batch_size): the batch size the engines are measured at.
+# Requests one decode takes (the batcher's cap): the batch size the engines are measured at.
 MAX_REQUESTS = 32
 # Sentences per Backend.translate call, and decoder rows x longest source row per call: beams
 # multiply rows, so 32 sentences of up to 128 tokens fit with 4 beams.

@@ -339,10 +339,28 @@ def test_app_has_the_tabs_and_their_runs_share_the_model_slot(tiny_backends, tmp
             assert f.concurrency_limit == 1
     public = [f.api_name for f in demo.fns.values() if f.api_visibility == "public"]
     assert public == ["compare", "translate"]  # the other tabs add no API endpoint
-    # translate: batched by Gradio's queue, in a slot of its own, page and API alike
+    # translate: called concurrently, in a slot of its own, page and API alike; its batcher forms the
+    # batches, not Gradio's batch=True
     batched = [f for f in demo.fns.values() if f.concurrency_id == "translate"]
     assert {f.name for f in batched} == {"translate_page", "translate_api"} and len(batched) == 3  # click, submit, API
-    assert all(f.batch and f.max_batch_size == 32 and f.concurrency_limit == 1 for f in batched)
+    assert all(not f.batch and f.concurrency_limit == 32 for f in batched)
+
+
+@pytest.mark.parametrize("value", ["-1", "20000", "nan"])
+def test_app_refuses_a_batch_wait_it_cannot_use(value, capsys):
+    import app
+
+    with pytest.raises(SystemExit) as e:
+        app.main(["--batch-wait-ms", value])
+    assert e.value.code == 2
+    assert "batch wait must be a number of milliseconds from 0 to 10000" in capsys.readouterr().err
+
+
+def test_app_defaults_let_sixteen_to_sixty_four_users_wait_and_batch_after_100_ms():
+    import app
+
+    assert app.QUEUE_SIZE == 64
+    assert Loaded({}).batching.max_wait_ms == 100.0 and Loaded({}).batching.max_requests == 32
 
 
 @pytest.mark.parametrize(

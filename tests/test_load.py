@@ -42,6 +42,9 @@ from bench.load_results import memory_change, summary
         (dict(url="http://x/", duration_s=0), "--duration must be positive"),
         (dict(url="http://x/", target="translate", repeat=2), "--repeat is the compare endpoint's"),
         (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate or serve"),
+        (dict(url="http://x/", baseline_batches=(32, 0)), "--baseline-batches must be whole numbers of at least 1"),
+        (dict(url="http://x/", baseline_batches=()), "--baseline-batches must be whole numbers of at least 1"),
+        (dict(url="http://x/", baseline_rounds=0), "--baseline-rounds must be at least 1, got 0"),
     ],
 )
 def test_options_refuse_what_cannot_run(fields, message):
@@ -68,6 +71,19 @@ def test_memory_change_is_from_the_first_checkpoint_to_the_last():
     assert memory_change(samples, 100) == {"from_finished": 100, "from_mb": 800.0, "to_finished": 300,
                                            "to_mb": 840.0, "change_mb": 40.0, "change_pct": 5.0}
     assert memory_change(samples[:2], 100) is None
+
+
+def test_batch_sizes_and_decoder_busy_share_count_each_batch_once():
+    from bench.load import Request
+    from bench.load_results import batch_sizes, decoder_busy_share
+
+    # a batch of 4 decoded in 400 ms, one of 2 in 100 ms, a lone request in 50 ms, over 2 s
+    ok = [Request(i, i, i, decoded_together=4, compute_ms=400.0) for i in range(4)]
+    ok += [Request(4 + i, i, i, decoded_together=2, compute_ms=100.0) for i in range(2)]
+    ok += [Request(6, 0, 0, decoded_together=1, compute_ms=50.0)]
+    assert batch_sizes(ok) == {1: 1, 2: 2, 4: 4}
+    assert decoder_busy_share(ok, 2.0) == 0.275  # (400 + 100 + 50) ms of 2,000
+    assert batch_sizes([]) is None and decoder_busy_share([], 2.0) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +187,9 @@ def test_translate_answers_are_counted_with_their_batch(stub):
     r = drive(url, LoadOptions(url=url, users=2, requests=4, warmup=0, target="translate"), pid=None, log=_quiet)
     assert r["target"] == "translate" and r["counts"]["ok"] == 4, r["error_examples"]
     assert r["decoded_together"]["p50"] == 3 and r["latency_ms"]["compute"]["p50"] == 12.5
+    assert r["batch_sizes"] == {3: 4}
+    # each request's third of a 12.5 ms decode, over the run's wall time (reported rounded to 10 ms)
+    assert r["decoder_busy_share"] == pytest.approx(4 * 12.5 / 3 / 1000 / r["run_s"], rel=0.1)
     assert r["served"] == {"backends": ["ort_fp32_kv_cache"],
                            "decodings": [{"strategy": "beam search", "num_beams": 4, "max_new_tokens": 511}]}
 

@@ -10,7 +10,8 @@ from typing import Any
 from backends import BACKEND_NAMES, ManifestError, load_manifest
 from families import family_named
 from service import RequestLimits
-from service.translate import Traffic
+from service.batcher import BatchPolicy
+from service.translate import MAX_REQUESTS, Traffic
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,7 @@ class Loaded:
     reference_results: Path | None = REPO / "assets" / "reference-results.json"
     limits: RequestLimits = RequestLimits()  # characters, segments and seconds per backend of one request
     traffic: Traffic = field(default_factory=Traffic)  # translate decodes, so Compare's timings can say they overlapped
+    batching: BatchPolicy = BatchPolicy(MAX_REQUESTS)  # how the translate endpoint's requests are batched
 
     @property
     def names(self) -> list[str]:

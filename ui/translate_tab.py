@@ -1,9 +1,10 @@
 """The Translate tab and the `translate` API: one backend, concurrent requests batched together.
 
-Both run through Gradio's batching (`batch=True`): requests waiting together in the queue reach
-`service.translate_batch` as one list each, are decoded together and answered one by one. They
-have their own slot (concurrency_id "translate"), apart from the Compare tab's "model" slot, so a
-translate batch can run while a comparison does; the comparison's timings then say so.
+Gradio calls both concurrently (as many at once as one batch takes, in their own slot, concurrency_id
+"translate", apart from the Compare tab's "model" slot); each call hands its request to one
+`service.batcher.Batcher`, whose decoder thread takes the waiting requests as one batch through
+`service.translate_batch` and gives each caller its own answer. A comparison that runs meanwhile
+says so next to its timings. Not Gradio's `batch=True`: see service/batcher.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import gradio as gr
 
 from backends.memory import trim_heap
-from service.translate import MAX_REQUESTS, default_backend, translate_batch
+from service.batcher import Batcher
+from service.translate import default_backend, translate_batch
 
 from .compare_render import LABELS
 from .compare_tab import decoding_choices
@@ -25,20 +27,22 @@ def build(loaded: Loaded) -> None:
     why = ("the fastest backend the export's verification found token-identical to PyTorch"
            if default else "this export records no verification: choose a backend")
 
-    def run(texts, beams, backends):
-        try:
-            answers = translate_batch(
-                loaded.backends, texts, beams, backends, default=default, limits=loaded.limits,
-                max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic,
-            )
-        finally:
-            trim_heap()
+    def decode(requests: list[tuple]) -> list[dict]:
+        """One batch of (text, num_beams, backend) requests: one answer each, in order."""
+        texts, beams, backends = (list(column) for column in zip(*requests))
+        answers = translate_batch(
+            loaded.backends, texts, beams, backends, default=default, limits=loaded.limits,
+            max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic,
+        )
         return [a.to_json() for a in answers]
+
+    # The heap is trimmed after each batch, once its callers have their answers.
+    batcher = Batcher(decode, loaded.batching, name="translate-batcher", after_batch=trim_heap)
 
     with gr.Tab("Translate", id="translate", elem_id="tab-translate") as tab:
         gr.Markdown(
             "One backend translates; requests arriving together (from this page or the `translate` API) are "
-            f"decoded together, up to {MAX_REQUESTS} at once, and each gets its own answer."
+            f"decoded together, up to {loaded.batching.max_requests} at once, and each gets its own answer."
         )
         with gr.Row(equal_height=False):
             text = gr.Textbox(label="English text", lines=2, max_lines=8, scale=5, elem_id="translate-input")
@@ -56,39 +60,31 @@ def build(loaded: Loaded) -> None:
         with gr.Accordion("Raw result (the `translate` API's JSON)", open=False):
             raw = gr.JSON(elem_id="translate-json")
 
-    def translate_page(texts: list[str], beams: list, backends: list) -> tuple[list, list, list]:
-        answers = run(texts, beams, backends)
-        said = []
-        for a in answers:
-            if a["error"]:
-                said.append(f"⚠️ **{a['error']}**")
-                continue
-            shared = a["batch"]
-            others = shared["decoded_together"] - 1
-            batch = f" with {others} other request{'s' if others > 1 else ''}" if others else ""
-            warn = "".join(f" ⚠️ {w}." for w in a["warnings"])
-            said.append(f"{LABELS.get(a['backend'], a['backend'])}, {a['decoding']['strategy']}: decoded{batch} "
-                        f"in {a['timings_ms']['decode']:,.0f} ms.{warn}")
-        return [a["text"] or "" for a in answers], said, answers
+    def translate_page(text: str, beams, backend_name) -> tuple[str, str, dict]:
+        a = batcher.submit((text, beams, backend_name))
+        if a["error"]:
+            return "", f"⚠️ **{a['error']}**", a
+        others = a["batch"]["decoded_together"] - 1
+        batch = f" with {others} other request{'s' if others > 1 else ''}" if others else ""
+        warn = "".join(f" ⚠️ {w}." for w in a["warnings"])
+        said = (f"{LABELS.get(a['backend'], a['backend'])}, {a['decoding']['strategy']}: decoded{batch} "
+                f"in {a['timings_ms']['decode']:,.0f} ms.{warn}")
+        return a["text"] or "", said, a
 
-    events = dict(
-        fn=translate_page, inputs=[text, decoding, backend], outputs=[out, status, raw], batch=True,
-        max_batch_size=MAX_REQUESTS, concurrency_limit=1, concurrency_id="translate", api_visibility="private",
-        show_progress="minimal",
-    )
+    # Concurrent calls, so that requests arriving together wait in the batcher, which forms the batches.
+    slot = dict(concurrency_limit=loaded.batching.max_requests, concurrency_id="translate")
+    events = dict(fn=translate_page, inputs=[text, decoding, backend], outputs=[out, status, raw],
+                  api_visibility="private", show_progress="minimal", **slot)
     go.click(**events)
     text.submit(**events)
 
-    # Gradio's batching hands this function one list per parameter (one item per waiting request)
-    # and wants one list back; the hints describe a single request, which is what the API takes.
     def translate_api(text: str, num_beams: int | None = None, backend: str | None = None) -> dict:
         """Translate `text` with one backend (default: the fastest one the export's verification
         found token-identical to PyTorch). `num_beams`: None decodes as the model's own generation
         config says, 1 is greedy, 2..8 beam search. Returns {"text", "error", "backend", "decoding",
         "segments", "warnings", "batch", "timings_ms"}; a refused request has `error` set and `text`
         null, and requests decoded with it are not affected."""
-        return (run(text, num_beams, backend),)
+        return batcher.submit((text, num_beams, backend))
 
     with tab:  # an endpoint with no component; inside a Tab, so gr.Tabs holds only tabs
-        gr.api(translate_api, api_name="translate", batch=True, max_batch_size=MAX_REQUESTS, concurrency_limit=1,
-               concurrency_id="translate")
+        gr.api(translate_api, api_name="translate", **slot)
