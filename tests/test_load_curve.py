@@ -154,3 +154,11 @@ def test_the_plots_get_one_row_per_point_and_a_header_with_refusals(tmp_path):
     data, head = load_plots.frame(Loaded())
     assert list(data["users"]) == [1, 16] and list(data["P99 ms"]) == [190.0, 700.0]
     assert "3 busy, 1 errors" in head and "measured on this host" in head
+def test_the_shipped_reference_curve_is_valid_and_in_the_docs():
+    data = json.loads((REPO / "assets" / "reference-results.json").read_text(encoding="utf-8"))
+    from service.load_curve import check_curve
+
+    curve = check_curve(data["load_curve"], "reference")
+    doc = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    table = load_curve.markdown(curve).split("\n\n", 1)[1].strip()
+    assert table in doc

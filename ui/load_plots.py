@@ -17,7 +17,7 @@ def frame(loaded) -> tuple[pd.DataFrame, str]:
     curve, source = curve_to_show(loaded.results_dir, loaded.reference_results)
     if curve is None:
         return pd.DataFrame(columns=COLUMNS), source
-    head = (f"**Load curve**, {curve['date_utc']} UTC, {source}. {curve['method']}. "
+    head = (f"**Load curve**, {curve['date_utc']} UTC, {source}. Method: {curve['method']}. "
             f"Refused or failed requests over the whole curve: "
             f"{sum(p['busy'] for p in curve['points'])} busy, {sum(p['errors'] for p in curve['points'])} errors.")
     return pd.DataFrame(rows(curve), columns=COLUMNS), head
