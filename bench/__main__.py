@@ -209,7 +209,7 @@ def load(args) -> int:
         think_s=args.think, warmup=args.warmup, rss_every=args.rss_every, repeat=args.repeat, tsv=args.tsv,
         seed=args.seed, start_timeout_s=args.start_timeout, target=args.target, duration_s=args.duration,
         baseline_export=args.baseline_export, threads=args.baseline_threads, baseline_batches=args.baseline_batches,
-        baseline_rounds=args.baseline_rounds, backend=args.backend)
+        baseline_rounds=args.baseline_rounds, backend=args.backend, rate=args.rate, arrivals=args.arrivals)
     results = load_mod.run(options, args.out, log=lambda m: print(m, flush=True))
     print(summary_table(results))
     print(f"wrote {args.out / 'results.json'}, {args.out / 'report.md'}", flush=True)
@@ -348,6 +348,10 @@ def main(argv=None) -> int:
                     help="the endpoint: compare (every backend), translate (one sentence per request, batched) or "
                     "serve (the translate API on Ray Serve: --url http://HOST:PORT/translate)")
     lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
+    lp.add_argument("--rate", type=float, help="open loop: requests arrive at this many per second whatever the "
+                    "answers, on --users connections (default: closed loop, each user waits for its answer)")
+    lp.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson",
+                    help="open loop: exponential (poisson) or equal gaps between arrivals")
     lp.add_argument("--backend", help="translate, serve: the backend every request names (default: the server's "
                     "default)")
     lp.add_argument("--baseline-export", type=Path, help="translate: afterwards, time the served backend offline "

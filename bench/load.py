@@ -55,6 +55,7 @@ from .load_results import OUTCOMES, collect, cpu_s
 
 TARGETS = ("compare", "translate", "serve")
 BATCHED = ("translate", "serve")  # the targets answering with the translate JSON
+ARRIVALS = ("poisson", "fixed")
 CANCEL_GRACE_S = 10.0  # a cancelled job settles in well under a second when the app is alive
 
 
@@ -86,6 +87,10 @@ class LoadOptions:
     baseline_batches: tuple[int, ...] = (32, 16)
     baseline_rounds: int = 3
     backend: str | None = None  # translate: the backend each request names (None: the app's default)
+    # Open loop: requests arrive at this rate (per second) whatever the answers, on `users` connections;
+    # None is the closed loop (each user sends its next request when its answer is in).
+    rate: float | None = None
+    arrivals: str = "poisson"  # open loop: exponential gaps ("poisson") or equal ones ("fixed")
 
     def __post_init__(self):
         problems = []
@@ -97,6 +102,12 @@ class LoadOptions:
             problems.append("--pid is for --url; --launch samples the app it starts")
         if self.pid is not None and self.pid < 1:
             problems.append(f"--pid must be a process id, got {self.pid}")
+        if self.rate is not None and not self.rate > 0:
+            problems.append(f"--rate must be a positive number of requests per second, got {self.rate}")
+        if self.arrivals not in ARRIVALS:
+            problems.append(f"--arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
+        if self.rate is not None and (self.think_s or self.busy_backoff_s != 1.0):
+            problems.append("--think and --busy-backoff are the closed loop's; an open loop sends on its schedule")
         if self.users < 1:
             problems.append(f"--users must be at least 1, got {self.users}")
         if self.requests < self.users:
@@ -155,6 +166,9 @@ class Request:
     decoded_together: int | None = None  # translate: requests in the decode this one was part of
     backend: str | None = None  # translate: the backend that answered
     decoding: dict | None = None  # translate: the decoding it ran (resolved by the app)
+    # open loop: how late it was sent after its scheduled arrival (every connection busy), in ms;
+    # end_to_end_ms counts from the scheduled arrival, so that wait is in the latency too
+    late_ms: float | None = None
 
 
 @dataclass
@@ -166,6 +180,8 @@ class _Progress:
     every: int
     sample: Callable[[], dict] | None
     log: Callable[[str], None]
+    schedule: list[float] | None = None  # open loop: each request's arrival, seconds after `start`
+    start: float = 0.0
     sent: int = 0
     finished: int = 0
     tally: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
@@ -174,7 +190,13 @@ class _Progress:
 
     def claim(self) -> int | None:
         with self.lock:
-            if self.sent >= self.total or time.monotonic() >= self.deadline:
+            if self.sent >= self.total:
+                return None
+            if self.schedule is None:
+                if time.monotonic() >= self.deadline:
+                    return None
+            # open loop: every request that arrives before the deadline is sent, late if it must be
+            elif self.sent >= len(self.schedule) or self.start + self.schedule[self.sent] >= self.deadline:
                 return None
             self.sent += 1
             return self.sent - 1
@@ -332,7 +354,17 @@ def _user(user: int, client, texts: list[str], options: LoadOptions, progress: _
           records: list[Request], crashes: list[BaseException], t0: float) -> None:
     try:
         while (i := progress.claim()) is not None:
+            late = 0.0
+            if progress.schedule is not None:  # open loop: wait for this request's arrival
+                due = progress.start + progress.schedule[i]
+                late = time.monotonic() - due
+                if late < 0:
+                    time.sleep(-late)
+                    late = 0.0
             req = one_request(client, texts[i % len(texts)], Request(i, user, i % len(texts)), options, t0)
+            if progress.schedule is not None:
+                req.late_ms = round(late * 1e3, 1)
+                req.end_to_end_ms = round(req.end_to_end_ms + late * 1e3, 1)
             records.append(req)  # list.append is atomic under the GIL
             progress.done(req.outcome, t0)
             pause = options.busy_backoff_s if req.outcome == "busy" else options.think_s
@@ -340,6 +372,19 @@ def _user(user: int, client, texts: list[str], options: LoadOptions, progress: _
                 time.sleep(pause)
     except BaseException as e:  # a bug here, not an answer of the app: drive() re-raises it
         crashes.append(e)
+
+
+def arrival_schedule(options: LoadOptions) -> list[float] | None:
+    """Open loop: each request's arrival in seconds from the run's start (seeded); None: closed loop."""
+    if options.rate is None:
+        return None
+    import random
+
+    rng, t, out = random.Random(options.seed), 0.0, []
+    for _ in range(options.requests):
+        out.append(t)
+        t += rng.expovariate(options.rate) if options.arrivals == "poisson" else 1.0 / options.rate
+    return out
 
 
 def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], None] = print) -> dict:
@@ -373,7 +418,8 @@ def drive(url: str, options: LoadOptions, pid: int | None, log: Callable[[str], 
             samples.append({"finished": 0, "after": f"{len(warmup)} warm-up requests", **sample()})
         if options.duration_s is not None:
             deadline = min(deadline, time.monotonic() + options.duration_s)
-        progress = _Progress(options.requests, deadline, options.rss_every, sample if pid else None, log)
+        progress = _Progress(options.requests, deadline, options.rss_every, sample if pid else None, log,
+                             schedule=arrival_schedule(options), start=time.monotonic())
         records: list[Request] = []
         crashes: list[BaseException] = []
         # daemon: a user stuck past every limit must not keep the process alive (the caller reports it)

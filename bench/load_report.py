@@ -132,6 +132,12 @@ def translate_lines(r: dict) -> list[str]:
     """What the translate endpoint's batching did, and the offline baselines when measured."""
     together, bases = r.get("decoded_together"), r.get("baseline") or []
     out = []
+    if o := r.get("open_loop"):
+        late = o["late_ms"]
+        out += ["", f"Open loop: {o['arrivals']} arrivals at {_f(o['rate_per_s'], 1)} requests/s on {o['connections']} "
+                f"connections; offered {_f(o['offered_per_s'], 1)}/s, answered {_f(r['throughput_ok_per_s'], 1)}/s; "
+                f"{o['sent_late']} requests sent late (every connection busy; latency counts from the scheduled "
+                f"arrival){'' if not late else ', P99 lateness ' + _f(late['p99'], 0) + ' ms'}."]
     if together:
         served = r["served"]
         out += ["", f"Requests decoded together (the server's batches: the app's batcher or Ray Serve's, per ok request): median {_f(together['p50'])}, "

@@ -93,6 +93,11 @@ def collect(url, options, pid, pairs, warmup, records, samples, stuck, run_s, se
         "rates": {"error_rate": _rate(counts["error"], len(records)), "busy_rate": _rate(counts["busy"], len(records))},
         "busy_messages": sorted({r.message for r in records if r.outcome == "busy"}),
         "error_examples": [asdict(r) for r in records if r.outcome == "error"][:10],
+        "open_loop": None if options.rate is None else {
+            "rate_per_s": options.rate, "arrivals": options.arrivals, "connections": options.users,
+            "offered_per_s": round(sent / run_s, 3) if run_s > 0 else None,
+            "late_ms": summary([r.late_ms for r in records if r.late_ms is not None]),
+            "sent_late": sum(1 for r in records if (r.late_ms or 0) > 0)},
         "run_s": round(run_s, 2),
         "throughput_ok_per_s": round(len(ok) / run_s, 3) if run_s > 0 else None,
         "latency_ms": {

@@ -40,6 +40,9 @@ from bench.load_results import memory_change, summary
         (dict(launch_args=(), target="serve"), "--target serve drives a running `python -m service.serve`"),
         (dict(url="http://x/", target="serve", repeat=2), "--repeat is the compare endpoint's; serve runs"),
         (dict(url="http://x/", duration_s=0), "--duration must be positive"),
+        (dict(url="http://x/", rate=0), "--rate must be a positive number of requests per second"),
+        (dict(url="http://x/", rate=5, arrivals="bursty"), "--arrivals must be one of poisson, fixed"),
+        (dict(url="http://x/", rate=5, think_s=1), "--think and --busy-backoff are the closed loop's"),
         (dict(url="http://x/", target="translate", repeat=2), "--repeat is the compare endpoint's"),
         (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate or serve"),
         (dict(url="http://x/", baseline_batches=(32, 0)), "--baseline-batches must be whole numbers of at least 1"),
@@ -269,6 +272,34 @@ def test_a_run_with_a_duration_stops_sending_when_it_is_up(stub):
     assert 2 <= c["sent"] < 30 and c["requests"] == c["sent"] == c["ok"] and c["not_sent"] == 0, c
     assert max(q["start_s"] for q in r["requests"]) < 0.2 * 2 + 1.5 + 1, r["requests"][-1]
     assert time.monotonic() - start < 10
+
+
+def test_open_loop_arrivals_are_seeded_at_the_rate():
+    from bench.load import arrival_schedule
+
+    assert arrival_schedule(LoadOptions(url="http://x/")) is None  # closed loop
+    fixed = arrival_schedule(LoadOptions(url="http://x/", users=1, rate=4.0, arrivals="fixed", requests=5))
+    assert fixed == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    poisson = arrival_schedule(LoadOptions(url="http://x/", rate=20.0, requests=4000, seed=3))
+    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.1) and len(set(gaps)) == len(gaps)
+    assert poisson == arrival_schedule(LoadOptions(url="http://x/", rate=20.0, requests=4000, seed=3))
+
+
+def test_an_open_loop_sends_every_arrival_on_schedule_whatever_the_answers(stub):
+    url, mode = stub
+    mode.update(seconds=0.25, error=None, answer=None)  # the stub answers one at a time: 4 a second at most
+    options = LoadOptions(url=url, users=3, requests=10_000, warmup=0, target="translate", duration_s=1.0,
+                          rate=10.0, arrivals="fixed")
+    r = drive(url, options, pid=None, log=_quiet)
+    c, o = r["counts"], r["open_loop"]
+    assert c["sent"] == c["ok"] == 10, c  # arrivals at 0, 0.1, ..., 0.9 s: all sent, none dropped
+    assert (o["rate_per_s"], o["arrivals"], o["connections"]) == (10.0, "fixed", 3)
+    late = [q for q in r["requests"] if q["late_ms"] > 0]
+    assert o["sent_late"] == len(late) >= 5  # 3 connections, answers 0.25 s apart: most wait for one
+    for q in r["requests"]:  # latency counts from the scheduled arrival, the wait for a connection included
+        assert q["end_to_end_ms"] >= q["late_ms"] + 200
+    assert r["latency_ms"]["end_to_end"]["p99"] > 1000  # the backlog shows in the P99
 
 
 # ---------------------------------------------------------------------------------------------
