@@ -81,6 +81,17 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _release_weights(model) -> None:
+    """Empty every parameter and buffer of `model` in place. torch.onnx.export's graph keeps the
+    Parameter objects alive after the call, so dropping the model alone would not free its weights
+    (memory-mapped pages of the weights file, all resident once traced)."""
+    import torch
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+
+
 class _Steps:
     """Prints each step with its duration and peak RSS, as the user watches a long export.
 
@@ -153,6 +164,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         # The model's weights are not read again until verification, which loads it anew: every
         # step from here on works from the graph files, without the model's copy in memory.
         facts = sidecar.model_facts(model, family)
+        _release_weights(model)
         del model
 
         # Calibration text for the fp16 guard and for verification's finiteness check.
