@@ -242,7 +242,7 @@ def append_cache_in_attention(model: onnx.ModelProto) -> dict:
     return {"cache": done}
 
 
-def pack_qkv(model: onnx.ModelProto) -> dict:
+def pack_qkv(model: onnx.ModelProto, folder: Path | None = None) -> dict:
     """The q, k and v projections of one input into one attention: one MatMul and a Split.
 
     Where a MultiHeadAttention's query, key and value are each `Add(MatMul(x, W), b)` (or a bare
@@ -250,6 +250,7 @@ def pack_qkv(model: onnx.ModelProto) -> dict:
     `MatMul(x, [W_q | W_k | W_v])` whose output a Split cuts back into the three products, under
     their old names: the bias Adds, their outputs (the modules' outputs for service/locate.py) and
     everything after are untouched. The packed weight replaces the three (no extra memory).
+    `folder`: where a graph from `onnx_io.load_structure` keeps its weights (only the packed ones are read).
     Returns {"packed": [one entry per attention]}.
     """
     graph = model.graph
@@ -276,7 +277,7 @@ def pack_qkv(model: onnx.ModelProto) -> dict:
             continue
         if any(len(readers[w.name]) != 1 for w in weights):
             continue  # a weight read elsewhere too stays where it is
-        packed = np.concatenate([numpy_helper.to_array(w) for w in weights], axis=1)
+        packed = np.concatenate([numpy_helper.to_array(w, str(folder or '')) for w in weights], axis=1)
         base = f"{mha.name}.qkv"
         graph.initializer.append(numpy_helper.from_array(packed, f"{base}.weight"))
         graph.initializer.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), f"{base}.sizes"))
@@ -298,14 +299,15 @@ def pack_qkv(model: onnx.ModelProto) -> dict:
 def fuse_attention_file(path: Path, num_heads: int) -> dict:
     """`fuse_attention`, then `append_cache_in_attention` and `pack_qkv`, on a graph file in place
     (external data kept, as `rewrite_file`)."""
-    from .onnx_io import check, external_files, save
+    from .onnx_io import check, external_files, load_structure, save
 
+    path = Path(path)
     external = bool(external_files(path))
-    model = onnx.load(str(path))
+    model = load_structure(path)
     report = fuse_attention(model, num_heads)
     report.update(append_cache_in_attention(model))
-    report.update(pack_qkv(model))
+    report.update(pack_qkv(model, path.parent))
     if report["attention"] or report["cache"] or report["packed"]:
-        save(model, path, external_data=external)
+        save(model, path, external_data=external, source=path.parent)
         check(path)
     return report

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
-from onnx.external_data_helper import load_external_data_for_model
 
 def _route_outputs_through_identity(model: onnx.ModelProto) -> list[str]:
     graph = model.graph
@@ -70,18 +70,27 @@ def _unshare_initializers(model: onnx.ModelProto, keep_nodes: set[str], keep_ops
     return len(shared)
 
 
+def _fp16_bytes(chunk: bytes) -> bytes:
+    """fp32 bytes to fp16 bytes as the converter converts an in-memory initializer (its default
+    clamps), so a weight converted file to file is bit-identical to one converted in memory."""
+    from onnxconverter_common.float16 import convert_np_to_float16
+
+    return convert_np_to_float16(np.frombuffer(chunk, dtype=np.float32), 1e-7, 1e4).tobytes()
+
+
 def convert_to_fp16(src: Path, dst: Path, keep_ops: list[str] = (), keep_nodes: list[str] = ()) -> dict:
     """`keep_ops` (op types) and `keep_nodes` (node names, export/fp16_guard.py's choice) stay fp32,
     beside the converter's own default block list."""
     from onnxconverter_common.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    from .onnx_io import check, external_files, save
+    from .onnx_io import check, external_files, load_structure, save
 
     external = bool(external_files(src))
-    # The weights come in after shape inference: the converter's own inference (its default)
-    # serializes and parses the whole model, up to four copies of the weights at once; on the
-    # weightless graph it gives the same types and shapes.
-    model = onnx.load(str(src), load_external_data=False)
+    # The weights stay on disk: the converter's own shape inference (its default) serializes and
+    # parses the whole model, up to four copies of the weights at once; on the weightless graph it
+    # gives the same types and shapes. An external weight the converter retypes keeps its fp32 bytes
+    # until `save` converts them file to file, as the converter would have in memory.
+    model = load_structure(src)
     # Stale fp32 value_info would contradict the converted types; ORT re-infers shapes anyway.
     del model.graph.value_info[:]
     rerouted = _route_outputs_through_identity(model)
@@ -89,12 +98,15 @@ def convert_to_fp16(src: Path, dst: Path, keep_ops: list[str] = (), keep_nodes: 
     copied = _unshare_initializers(model, set(keep_nodes), set(block)) if keep_nodes or keep_ops else 0
     if external:
         model = onnx.shape_inference.infer_shapes(model)  # initializers' dims and types, no data
-        load_external_data_for_model(model, str(Path(src).parent))
+    on_disk_fp32 = {t.name for t in model.graph.initializer
+                    if t.data_location == TensorProto.EXTERNAL and t.data_type == TensorProto.FLOAT}
     converted = convert_float_to_float16(model, keep_io_types=True, op_block_list=block,
                                          node_block_list=list(keep_nodes), disable_shape_infer=external)
     casts = _retarget_float_casts(converted)
     del model
-    save(converted, dst, external_data=external)
+    retyped = {t.name: _fp16_bytes for t in converted.graph.initializer
+               if t.name in on_disk_fp32 and t.data_type == TensorProto.FLOAT16}
+    save(converted, dst, external_data=external, source=Path(src).parent, convert=retyped)
     check(dst)
     return {
         "converter": "onnxconverter_common.float16.convert_float_to_float16",

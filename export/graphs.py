@@ -163,13 +163,13 @@ def needs_external_data(model) -> bool:
 
 def export_graph(model, family, config, spec: GraphSpec, out_dir: Path, opset: int, external_data: bool = False) -> Path:
     """Export one fp32 graph into `out_dir/spec.file`; `external_data`: weights in `<file>.data`."""
-    from .onnx_io import data_file, external_files, save
+    from .onnx_io import data_file, external_files, load_structure, save
 
     module, args = _modules_and_args(model, family, spec.name, config)
     path = out_dir / spec.file
     try:
         with torch.no_grad():
-            torch.onnx.export(
+            program = torch.onnx.export(
                 module.eval(),
                 args,
                 str(path),
@@ -184,9 +184,13 @@ def export_graph(model, family, config, spec: GraphSpec, out_dir: Path, opset: i
             )
     except Exception as e:
         raise ExportError(_describe_failure(spec.name, e)) from e
+    # The program's graph stays reachable after the call and its initializers are the model's own
+    # tensors (and arrays sharing their memory): let go of them, or the weights outlive the model.
+    for value in program.model.graph.initializers.values():
+        value.const_value = None
+    program.model.graph.initializers.clear()
+    del program
     if external_data and external_files(path) != [data_file(path).name]:
         # One data file with our name, whatever the exporter called its own.
-        import onnx
-
-        save(onnx.load(str(path)), path, external_data=True)
+        save(load_structure(path), path, external_data=True, source=out_dir)
     return path

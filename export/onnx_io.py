@@ -4,13 +4,28 @@ A protobuf cannot exceed 2 GB, so a graph whose weights are larger (NLLB-600M: 2
 keeps them in one external data file next to it, `<graph file>.data`, which the sidecar lists and
 checksums with the graph. Every step that rewrites a graph (export/rewrite.py, fp16, int8) saves
 through `save`, which writes that file whenever the source graph had one.
+
+Streaming: a step that rewrites structure loads the graph without its weights (`load_structure`),
+reads only the tensors it changes (`numpy_helper.to_array(tensor, folder)`), and `save(...,
+source=folder)` copies every other weight file to file, so no step holds a graph's weights in memory.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+# Tensors smaller than this stay inside the graph file, as onnx.save_model's size_threshold.
+SIZE_THRESHOLD = 1024
+# Bytes per read when a weight is copied or converted file to file.
+CHUNK_BYTES = 64 << 20
 
 
 def data_file(path: Path) -> Path:
@@ -29,20 +44,136 @@ def external_files(path: Path) -> list[str]:
     return found
 
 
-def save(model: onnx.ModelProto, path: Path, external_data: bool) -> None:
+def load_structure(path: Path) -> onnx.ModelProto:
+    """The graph with its external weights left on disk (read one with `to_array(tensor, folder)`)."""
+    return onnx.load(str(path), load_external_data=False)
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every initializer of `graph` and of its subgraphs, in the order onnx.save_model writes them."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _initializers(sub)
+
+
+def _point_to(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make `tensor` external at `location`, bytes [offset, offset + length), as onnx.save_model records it."""
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+
+
+def _copy_range(src, dst, offset: int, length: int, convert: Callable[[bytes], bytes] | None) -> None:
+    """Append `length` bytes of `src` from `offset` to `dst`, through `convert` chunk by chunk."""
+    src.seek(offset)
+    left = length
+    while left:
+        chunk = src.read(min(CHUNK_BYTES, left))
+        if not chunk:
+            raise OSError(f"{src.name} ends {left} bytes before the tensor it should hold")
+        left -= len(chunk)
+        dst.write(convert(chunk) if convert else chunk)
+
+
+def _save_streamed(model: onnx.ModelProto, path: Path, source: Path | None,
+                   convert: Mapping[str, Callable[[bytes], bytes]]) -> None:
+    """Write the weights to `<path>.data` one tensor at a time (external ones copied from `source`),
+    then the graph; both under temporary names first, since `source` may be the file replaced."""
+    data = data_file(path)
+    data_tmp, graph_tmp = data.with_name(data.name + ".partial"), path.with_name(path.name + ".partial")
+    handles: dict[str, object] = {}
+    try:
+        with open(data_tmp, "wb") as out:
+            for tensor in _initializers(model.graph):
+                offset = out.tell()
+                if uses_external_data(tensor):
+                    if source is None:
+                        raise ValueError(f"tensor {tensor.name!r} is external and no source folder was given")
+                    info = ExternalDataInfo(tensor)
+                    src = handles.get(info.location)
+                    if src is None:
+                        src = handles[info.location] = open(Path(source) / info.location, "rb")
+                    _copy_range(src, out, info.offset or 0, info.length, convert.get(tensor.name))
+                elif tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= SIZE_THRESHOLD:
+                    out.write(tensor.raw_data)
+                else:
+                    continue
+                _point_to(tensor, data.name, offset, out.tell() - offset)
+        graph_tmp.write_bytes(model.SerializeToString())
+    except BaseException:
+        data_tmp.unlink(missing_ok=True)
+        graph_tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for handle in handles.values():
+            handle.close()
+    os.replace(data_tmp, data)
+    os.replace(graph_tmp, path)
+
+
+def save(model: onnx.ModelProto, path: Path, external_data: bool, source: Path | None = None,
+         convert: Mapping[str, Callable[[bytes], bytes]] | None = None) -> None:
     """Write `model` to `path`; its weights to `<path>.data` when `external_data` (any previous data
-    files of this graph are removed first: onnx appends to an existing data file)."""
+    files of this graph are removed: onnx appends to an existing data file).
+
+    `source`: the folder the model's external tensors live in (a graph from `load_structure`); they
+    are copied file to file, through `convert[name]` where given (bytes in, bytes out, chunk by
+    chunk: an elementwise conversion such as fp32 -> fp16)."""
     path = Path(path)
+    convert = convert or {}
     stale = external_files(path) if path.is_file() else []
-    for name in {*stale, data_file(path).name}:
-        (path.parent / name).unlink(missing_ok=True)
-    if external_data:
-        onnx.save_model(
-            model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-            location=data_file(path).name, size_threshold=1024,
-        )
-    else:
+    if not external_data:
+        if source is not None:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(model, str(source))
+        for name in {*stale, data_file(path).name}:
+            (path.parent / name).unlink(missing_ok=True)
         onnx.save(model, str(path))
+        return
+    _save_streamed(model, path, source, convert)
+    for name in set(stale) - {data_file(path).name}:
+        (path.parent / name).unlink(missing_ok=True)
+
+
+def scratch_name(tensor_name: str) -> str:
+    """A file name for a tensor written on its own before it is copied into a graph's data file."""
+    return ".scratch-" + re.sub(r"[^A-Za-z0-9._-]", "_", tensor_name)
+
+
+def transpose_to_file(tensor: onnx.TensorProto, folder: Path, name: str) -> onnx.TensorProto:
+    """The transpose of a 2-D external tensor of `folder`, written block by block to a scratch file
+    there (`scratch_name(name)`), as an external tensor named `name`; the caller removes the file
+    once the graph is saved. Rows are read a block at a time and written as column segments, so
+    neither the tensor nor its transpose is ever in memory whole."""
+    rows, cols = (int(d) for d in tensor.dims)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    item = np.dtype(dtype).itemsize
+    info = ExternalDataInfo(tensor)
+    if info.length and info.length != rows * cols * item:
+        raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {rows}x{cols}")
+    block = max(1, CHUNK_BYTES // (cols * item))
+    scratch = Path(folder) / scratch_name(name)
+    try:
+        with open(Path(folder) / info.location, "rb") as src, open(scratch, "wb") as out:
+            out.truncate(rows * cols * item)
+            for start in range(0, rows, block):
+                n = min(block, rows - start)
+                src.seek((info.offset or 0) + start * cols * item)
+                part = np.frombuffer(src.read(n * cols * item), dtype=dtype).reshape(n, cols)
+                for c, column in enumerate(np.ascontiguousarray(part.T)):  # row c of the transpose, from `start`
+                    out.seek((c * rows + start) * item)
+                    out.write(column.tobytes())
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
+    result = onnx.TensorProto(name=name, data_type=tensor.data_type, dims=[cols, rows])
+    _point_to(result, scratch.name, 0, rows * cols * item)
+    return result
 
 
 def check(path: Path) -> None:

@@ -81,6 +81,17 @@ def _release_freed_memory() -> None:
         pass
 
 
+def _release_weights(model) -> None:
+    """Empty every parameter and buffer of `model` in place. torch.onnx.export's graph keeps the
+    Parameter objects alive after the call, so dropping the model alone would not free its weights
+    (memory-mapped pages of the weights file, all resident once traced)."""
+    import torch
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+
+
 class _Steps:
     """Prints each step with its duration and peak RSS, as the user watches a long export.
 
@@ -150,6 +161,11 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             rewrites["decoder"] = rewrite.rewrite_file(path)
 
         steps.run("export KV-cache encoder + decoder graphs", kv_pair)
+        # The model's weights are not read again until verification, which loads it anew: every
+        # step from here on works from the graph files, without the model's copy in memory.
+        facts = sidecar.model_facts(model, family)
+        _release_weights(model)
+        del model
 
         # Calibration text for the fp16 guard and for verification's finiteness check.
         calibration = ranges.calibration(
@@ -201,7 +217,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         graph_section = sidecar.graph_entries(specs, tmp)
         tokenizer_record = sidecar.save_tokenizer(tokenizer, source, family, tmp)
         manifest = sidecar.manifest(
-            model, tokenizer, source, family, languages, generation, opset=options.opset, graph_section=graph_section,
+            config, facts, tokenizer, source, family, languages, generation, opset=options.opset, graph_section=graph_section,
             tokenizer_record=tokenizer_record, rewrites=rewrites, fp16=fp16_report, int8=int8_report,
         )
 
@@ -218,7 +234,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             result = steps.run(
                 "verify against PyTorch (logits; greedy and the model's own decoding: ids, text)",
                 verify.run,
-                model,
+                lambda: load_source(src, options.src_lang, options.tgt_lang)[0],
                 tokenizer,
                 tmp,
                 sentences,

@@ -10,6 +10,7 @@ low-precision graphs' first non-finite value.
 from __future__ import annotations
 
 import ast
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,17 +120,28 @@ def graph_ranges(path: Path, feeds: dict[str, np.ndarray], threads: int | None =
 
 def measure(encoder: Path, decoder: Path, calibration: Calibration, threads: int | None = None) -> dict[str, Ranges]:
     """Ranges of every value of the encoder and the decoder (graph inputs included) over the
-    calibration text, decoded greedily up to `max_new_tokens`."""
+    calibration text, decoded greedily up to `max_new_tokens`.
+
+    One session at a time: the encoder runs over every batch first and only its cross-attention
+    keys and values are kept for the decoder, so the two graphs' weights are never loaded together."""
     enc_session, enc_producer = _instrumented_session(Path(encoder), threads)
-    dec_session, dec_producer = _instrumented_session(Path(decoder), threads)
-    enc, dec = _Tracker("encoder", enc_producer), _Tracker("decoder", dec_producer)
+    enc = _Tracker("encoder", enc_producer)
     enc_names = [o.name for o in enc_session.get_outputs()]
-    dec_names = [o.name for o in dec_session.get_outputs()]
-    past_names = [i.name for i in dec_session.get_inputs() if i.name.startswith("past.")]
+    crosses = []
     for b, (input_ids, mask) in enumerate(calibration.batches):
         enc_out = enc_session.run(None, {"input_ids": input_ids, "attention_mask": mask})
         enc.see(enc_names, enc_out, {"batch": b, "step": None})
-        cross = {n: v for n, v in zip(enc_names, enc_out) if n.startswith("cross.")}
+        crosses.append({n: v for n, v in zip(enc_names, enc_out) if n.startswith("cross.")})
+        del enc_out
+    del enc_session
+    gc.collect()
+    dec_session, dec_producer = _instrumented_session(Path(decoder), threads)
+    dec = _Tracker("decoder", dec_producer)
+    dec_names = [o.name for o in dec_session.get_outputs()]
+    past_names = [i.name for i in dec_session.get_inputs() if i.name.startswith("past.")]
+    for b, (input_ids, mask) in enumerate(calibration.batches):
+        cross = crosses[b]
+        crosses[b] = None  # each batch's keys and values go once it is decoded
         rows = input_ids.shape[0]
         any_cross = next(iter(cross.values()))
         heads, head_dim = any_cross.shape[1], any_cross.shape[3]

@@ -79,8 +79,11 @@ def copy_scope_metadata(source: onnx.ModelProto, model: onnx.ModelProto) -> int:
     return copied
 
 
-def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
-    """Rewrite in place; returns what changed (empty `weights` when there was nothing to do)."""
+def pre_transpose_tied_embedding(model: onnx.ModelProto, folder: Path | None = None) -> dict:
+    """Rewrite in place; returns what changed (empty `weights` when there was nothing to do).
+
+    `folder`: where a graph from `onnx_io.load_structure` keeps its weights; an external table is
+    transposed file to file into a scratch file there (`onnx_io.transpose_to_file`)."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     consumers = _readers(graph)
@@ -98,10 +101,15 @@ def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
         if any(n.op_type != "Gather" for n in others):
             continue  # some other reader needs (V, d): leave the graph alone
 
-        w = numpy_helper.to_array(inits[weight])  # (V, d)
         t_name = f"{weight}.T"
+        if folder is not None and inits[weight].data_location == onnx.TensorProto.EXTERNAL:
+            from .onnx_io import transpose_to_file
+
+            transposed = transpose_to_file(inits[weight], folder, t_name)  # (d, V)
+        else:
+            transposed = numpy_helper.from_array(numpy_helper.to_array(inits[weight]).T.copy(), t_name)  # (d, V)
         graph.initializer.remove(inits[weight])
-        graph.initializer.append(numpy_helper.from_array(w.T.copy(), t_name))  # (d, V)
+        graph.initializer.append(transposed)
 
         for mm in users:  # MatMul(h, Transpose(W)) -> MatMul(h, W_t)
             mm.input[1] = t_name
@@ -125,21 +133,26 @@ def pre_transpose_tied_embedding(model: onnx.ModelProto) -> dict:
             )
             copy_metadata(to_rows, g)  # still the embedding module's output
             graph.node.insert(at, to_rows)
-        done.append({"weight": weight, "stored_as": t_name, "shape": list(w.T.shape),
+        done.append({"weight": weight, "stored_as": t_name, "shape": [int(d) for d in transposed.dims],
                      "matmuls": [u.name for u in users], "gathers": [g.name for g in others]})
     return {"weights": done}
 
 
 def rewrite_file(path: Path) -> dict:
     """Rewrite a graph file in place; a graph with external data keeps it (export/onnx_io.py)."""
-    from .onnx_io import check, external_files, save
+    from .onnx_io import check, external_files, load_structure, save, scratch_name
 
+    path = Path(path)
     external = bool(external_files(path))
-    model = onnx.load(str(path))
-    report = pre_transpose_tied_embedding(model)
-    if report["weights"]:
-        save(model, path, external_data=external)
-        check(path)
+    model = load_structure(path)
+    try:
+        report = pre_transpose_tied_embedding(model, path.parent)
+        if report["weights"]:
+            save(model, path, external_data=external, source=path.parent)
+            check(path)
+    finally:  # the transposed tables' scratch files, copied into the data file by now
+        for tensor in model.graph.initializer:
+            (path.parent / scratch_name(tensor.name)).unlink(missing_ok=True)
     return report
 
 

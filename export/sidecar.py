@@ -76,7 +76,7 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path) -> dict:
     return entries
 
 
-def _model_facts(model, family) -> dict:
+def model_facts(model, family) -> dict:
     return {
         "architecture": family.architecture,
         **family.layout.shape(model.config),
@@ -122,10 +122,10 @@ def save_tokenizer(tokenizer, source: dict, family, folder: Path) -> dict:
     return {"class": source["tokenizer_class"], "files": written}
 
 
-def manifest(model, tokenizer, source: dict, family, languages: dict | None, generation: dict, *, opset: int,
-             graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict) -> dict:
-    """Every section of the sidecar; "verification", the timings and "files" are filled in later."""
-    config = model.config
+def manifest(config, facts: dict, tokenizer, source: dict, family, languages: dict | None, generation: dict, *,
+             opset: int, graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict) -> dict:
+    """Every section of the sidecar; "verification", the timings and "files" are filled in later.
+    `facts`: `model_facts` of the model, taken while it was loaded."""
     limit = family.layout.shape(config)["max_position_embeddings"]
     default_bad = [[config.pad_token_id]] if family.bans_pad else []
     bad_words = [list(ids) for ids in (getattr(config, "bad_words_ids", None) or default_bad)]
@@ -140,7 +140,7 @@ def manifest(model, tokenizer, source: dict, family, languages: dict | None, gen
         "tokenizer": tokenizer_record,
         # src_lang: the tokenizer's source code; tgt_lang: forced first (generation.forced_bos_token_id).
         "languages": languages,
-        "model": _model_facts(model, family),
+        "model": facts,
         "special_tokens": {
             "pad": config.pad_token_id,
             "eos": config.eos_token_id,

@@ -139,9 +139,15 @@ def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
 
 
 def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dict:
+    """`model`: the PyTorch model, or a function that loads it; loaded here, it is released once its
+    reference logits are computed, so no ORT engine loads beside it."""
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
     config = model.config
     cases = build_cases(tokenizer, sentences, config)
     references = [_torch_reference(model, case) for case in cases]  # (b, t, V) logits: tens of MB
+    del model
+    gc.collect()
     results = [
         {
             "case": case.name,
@@ -291,7 +297,8 @@ def model_decoding_parity(export_dir: Path, sentences: list[str], max_new_tokens
 
 
 def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new_tokens, threads, calibration=None):
-    """Verify the export in `export_dir` (its provisional sidecar names the graphs) against `model`;
+    """Verify the export in `export_dir` (its provisional sidecar names the graphs) against `model`
+    (or a function that loads it, so it is held only while its reference logits are computed);
     `calibration` (export/ranges.py): the text the low-precision graphs must stay finite on."""
     start = time.perf_counter()
     nonfinite = None if calibration is None else low_precision_finite(export_dir, calibration, threads)

@@ -317,6 +317,9 @@ def _make_external(folder: Path) -> None:
     model = build("nllb-tiny", folder / "models" / "nllb-ext", corpus=TRAIN_TSV)
     out = folder / "exports" / "nllb-ext"
     export(str(model), ExportOptions(out=out, threads=1, external_data=True), log=lambda *a, **k: None)
+    # The same model with its weights inside the graphs: every step done in memory, to compare with.
+    export(str(model), ExportOptions(out=folder / "exports" / "nllb-inline", threads=1, external_data=False,
+                                     verify=False), log=lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +339,24 @@ def test_external_data_is_written_checksummed_and_loaded(external_export_dir):
     backends = load_backends(external_export_dir, session=SessionConfig(threads=1))
     ids = {n: b.translate(dev_sentences(2), max_new_tokens=8, num_beams=1)[0].token_ids for n, b in backends.items()}
     assert ids["ort_fp32_kv_cache"] == ids["ort_fp32_single_step"] == ids["pytorch"]
+
+
+def test_weights_rewritten_on_disk_equal_those_rewritten_in_memory(external_export_dir):
+    """With external data every step rewrites, converts (fp16) and copies weights file to file
+    (export/onnx_io.py); inline, in memory. Every graph's nodes and every weight's bits are the same."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    inline = external_export_dir.parent / "nllb-inline"
+    for name in ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8"):
+        streamed, whole = (onnx.load(str(folder / f"{name}.onnx")) for folder in (external_export_dir, inline))
+        assert [n.SerializeToString() for n in streamed.graph.node] == [n.SerializeToString() for n in whole.graph.node], name
+        a, b = ({t.name: numpy_helper.to_array(t) for t in m.graph.initializer} for m in (streamed, whole))
+        assert list(a) == list(b), name
+        for key in a:
+            assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), (name, key)
+        assert any(t.data_location == onnx.TensorProto.EXTERNAL
+                   for t in onnx.load(str(external_export_dir / f"{name}.onnx"), load_external_data=False).graph.initializer)
 
 
 def test_tampered_external_data_is_refused(external_export_dir, tmp_path):
