@@ -210,8 +210,8 @@ def start(options: ServeOptions) -> str:
     import ray
 
     if not ray.is_initialized():
-        if options.address is None:
-            ray.init(include_dashboard=False)
+        if options.address is None:  # "local": a new instance, not a cluster this machine happens to run
+            ray.init(address="local", include_dashboard=False)
         else:  # other machines need the code: the repository without its data, models and outputs
             ray.init(address=options.address, runtime_env={"working_dir": str(REPO), "excludes": CODE_EXCLUDES})
     serve.start(http_options={"host": options.host, "port": options.port,

@@ -65,7 +65,9 @@ def local_run(tiny_export_dir, tmp_path_factory):
 def ray_local():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False)
+        # "local": another test file's Cluster on this machine (test_serve.py, on the other xdist
+        # worker) would otherwise be joined, and num_cpus refused
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield ray
     ray.shutdown()
 

@@ -108,8 +108,8 @@ def _connect(address: str | None) -> bool:
     if address:
         ray.init(address=address, runtime_env={"working_dir": str(REPO), "excludes": CODE_EXCLUDES},
                  log_to_driver=True)
-    else:
-        ray.init(include_dashboard=False)
+    else:  # "local": a new instance here, never whichever cluster this machine last started
+        ray.init(address="local", include_dashboard=False)
     return True
 
 
