@@ -1,7 +1,8 @@
-"""python -m bench load: many users at once against the app's `compare` or `translate` endpoint, through
-gradio_client, or against the same `translate` API on Ray Serve (`python -m service.serve`), over HTTP.
+"""python -m bench load: many users at once against the app's `compare` endpoint (through gradio_client),
+its `translate` endpoint (through the Gradio queue's own HTTP protocol, `load_client.py`), or the same
+`translate` API on Ray Serve (`python -m service.serve`), over HTTP.
 
-Each user is one `gradio_client.Client` (its own session) in its own thread, sending one request
+Each user is one client (its own session) in its own thread, sending one request
 at a time and the next as soon as the answer is in (a closed loop). Every request ends as exactly
 one of:
 
@@ -17,8 +18,8 @@ one of:
 Time per request, from three clocks:
 
   end to end   time.perf_counter around submit -> final result, in the user's thread
-  queue wait   submit -> the `process_starts` message (gradio_client status PROCESSING)
-  service      `process_starts` -> `process_completed` (status FINISHED)
+  queue wait   submit -> the `process_starts` message arrives (gradio_client: status PROCESSING)
+  service      `process_starts` -> `process_completed` (gradio_client: status FINISHED)
   compute      the sum over backends of their own translate timings (`runs.totals_ms`, the hot path);
                service - compute is the rest of the server's work: teacher-forced scoring and
                alignment for the divergence view, JSON, the streamed diffs. translate: the wall time
@@ -32,8 +33,9 @@ read as the translate answer, 503 (Ray Serve's queue is full) is busy, 422 is `r
 status is an error of kind `http_STATUS`; there is no queue wait or service phase to read.
 `duration_s` runs for that many seconds after the warm-up instead of a number of requests.
 
-The status times are stamped by gradio_client's per-job worker, which polls for messages every 50 ms,
-so each phase boundary can be late by up to 50 ms; end to end has no such lag at its start.
+For compare, the status times are stamped by gradio_client's per-job worker, which polls for messages
+every 50 ms, so each phase boundary (and the end) can be late by up to 50 ms; translate's client stamps
+each message as it arrives.
 """
 
 from __future__ import annotations
@@ -267,15 +269,13 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     """Send one request and wait for its outcome, never longer than options.timeout_s."""
     if options.target == "serve":
         return _one_post(client, text, req, options, t0)
+    if options.target == "translate":
+        return _one_queued(client, text, req, options, t0)
     from gradio_client.utils import QueueError
 
     req.start_s = round(time.monotonic() - t0, 3)
     sent, start = datetime.now(), time.perf_counter()
-    translate = options.target == "translate"
-    if translate:
-        job = client.submit(text, None, options.backend, api_name="/translate")
-    else:
-        job = client.submit(text, options.repeat, api_name="/compare")
+    job = client.submit(text, options.repeat, api_name="/compare")
     try:
         out = job.result(timeout=options.timeout_s)
     except QueueError as e:
@@ -287,18 +287,50 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
         req.kind, req.message = type(e).__name__, str(e)[:500]
     else:
         try:
-            failed = _check_translate(out, req) if translate else _check(out, req)
+            failed = _check(out, req)
         except (KeyError, TypeError) as e:
             req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
         else:
             if failed:
-                req.kind, req.message = "refused" if translate else "backend_error", failed[:500]
+                req.kind, req.message = "backend_error", failed[:500]
             else:
                 req.outcome = "ok"
     req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
     if job.done():  # a cancelled job may still be settling; its phases are not needed
         for key, value in _phases(job, sent).items():
             setattr(req, key, value)
+    return req
+
+
+def _one_queued(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
+    """`one_request` for the translate target, on the user's `QueueClient`."""
+    from .load_client import AppError, QueueFull
+
+    req.start_s = round(time.monotonic() - t0, 3)
+    start = time.perf_counter()
+    try:
+        answer = client.call([text, None, options.backend], options.timeout_s)
+    except QueueFull as e:
+        req.outcome, req.kind, req.message = "busy", type(e).__name__, str(e)
+    except TimeoutError:
+        req.kind, req.message = "timeout", f"no final answer in {options.timeout_s:g} s (cancelled)"
+    except Exception as e:  # the load test's job is to count what the app answers, by kind
+        req.kind, req.message = type(e).__name__, str(e)[:500]
+    else:
+        if answer.process_starts_s is not None:
+            req.queue_wait_ms = round(answer.process_starts_s * 1e3, 1)
+            req.service_ms = round((answer.completed_s - answer.process_starts_s) * 1e3, 1)
+        req.rank_on_join = answer.rank_on_join
+        try:
+            failed = _check_translate(answer.output, req)
+        except (KeyError, TypeError) as e:
+            req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
+        else:
+            if failed:
+                req.kind, req.message = "refused", failed[:500]
+            else:
+                req.outcome = "ok"
+    req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
     return req
 
 
@@ -336,7 +368,8 @@ def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) 
 
 
 def _clients(url: str, options: LoadOptions) -> list:
-    """One client per user: gradio_client's for the app's endpoints, httpx's for the serve target."""
+    """One client per user: httpx's for the serve target, the queue protocol's for translate, gradio_client's
+    for compare (a streaming endpoint, whose diffs gradio_client applies)."""
     # httpx verifies TLS by loading the CA bundle again on every POST, CPU which
     # on a small machine the load generator would take from the app it measures; plain http needs none.
     ssl_verify = urlparse(url).scheme == "https"
@@ -345,6 +378,10 @@ def _clients(url: str, options: LoadOptions) -> list:
 
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
         return [httpx.Client(verify=ssl_verify, limits=limits) for _ in range(options.users)]
+    if options.target == "translate":
+        from .load_client import QueueClient
+
+        return [QueueClient(url, "translate", ssl_verify=ssl_verify) for _ in range(options.users)]
     from gradio_client import Client
 
     return [Client(url, verbose=False, ssl_verify=ssl_verify) for _ in range(options.users)]

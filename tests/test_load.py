@@ -103,7 +103,7 @@ def _free_port() -> int:
 def stub():
     import gradio as gr
 
-    mode = {"seconds": 0.0, "error": None, "answer": None}
+    mode = {"seconds": 0.0, "error": None, "answer": None, "backends_named": []}
 
     def compare(text: str, repeat: int = 1) -> Iterator[dict]:  # gr.api reads its outputs from the annotation
         end = time.monotonic() + mode["seconds"]
@@ -113,7 +113,11 @@ def stub():
         b = {"error": mode["error"], "runs": {"totals_ms": [mode["seconds"] * 1e3]}}
         yield mode["answer"] or {"reference": "pytorch", "backends": {"pytorch": b, "ort_int8": dict(b, error=None)}}
 
-    def translate(text: str) -> dict:  # the real endpoint's answer, as service/translate.py writes it
+    # the real endpoint's signature and answer, as ui/translate_tab.py and service/translate.py write them
+    def translate(text: str, num_beams: int | None = None, backend: str | None = None) -> dict:
+        mode["backends_named"].append(backend)
+        if mode.get("raise_"):
+            raise gr.Error(mode["raise_"])
         time.sleep(mode["seconds"])
         if mode["error"]:
             return {"text": None, "error": mode["error"], "backend": None, "decoding": {}, "segments": [],
@@ -203,6 +207,52 @@ def test_a_refused_translate_request_is_an_error_of_its_kind(stub):
     r = drive(url, LoadOptions(url=url, users=1, requests=2, warmup=0, target="translate"), pid=None, log=_quiet)
     assert r["counts"]["error_kinds"] == {"refused": 2} and r["counts"]["ok"] == 0
     assert r["requests"][0]["message"].startswith("the input is empty")
+
+
+def test_translate_phases_are_stamped_as_the_messages_arrive(stub):
+    url, mode = stub
+    mode.update(seconds=0.2, error=None, answer=None, raise_=None)
+    mode["backends_named"].clear()
+    options = LoadOptions(url=url, users=1, requests=2, warmup=0, target="translate", backend="ort_int8")
+    r = drive(url, options, pid=None, log=_quiet)
+    assert r["counts"]["ok"] == 2, r["error_examples"]
+    assert mode["backends_named"] == ["ort_int8", "ort_int8"]
+    for q in r["requests"]:
+        # the stub sleeps 0.2 s inside the call: the service phase holds it, and the phases fit the request
+        assert 180 <= q["service_ms"] < 2000 and q["queue_wait_ms"] >= 0, q
+        assert q["queue_wait_ms"] + q["service_ms"] <= q["end_to_end_ms"] + 1, q
+
+
+def test_a_translate_request_past_its_timeout_is_cancelled_and_counted(stub):
+    url, mode = stub
+    mode.update(seconds=3.0, error=None, answer=None)
+    options = LoadOptions(url=url, users=1, requests=1, timeout_s=0.5, warmup=0, target="translate")
+    r = drive(url, options, pid=None, log=_quiet)
+    assert r["counts"]["error_kinds"] == {"timeout": 1}, r["requests"]
+    assert 500 <= r["requests"][0]["end_to_end_ms"] < 3000, r["requests"]
+    mode.update(seconds=0.0)
+    time.sleep(3.0)  # the stub's call runs out (a cancelled call's thread is not stopped) before the next test
+
+
+def test_a_translate_call_the_app_fails_is_an_error_naming_its_message(stub):
+    url, mode = stub
+    mode.update(seconds=0.0, error=None, answer=None, raise_="the decoder is gone")
+    try:
+        r = drive(url, LoadOptions(url=url, users=1, requests=1, warmup=0, target="translate"), pid=None, log=_quiet)
+    finally:
+        mode.update(raise_=None)
+    assert r["counts"]["error_kinds"] == {"AppError": 1}, r["requests"]
+    assert "the decoder is gone" in r["requests"][0]["message"]
+
+
+def test_a_full_queue_turns_translate_requests_away_as_busy(stub):
+    url, mode = stub
+    mode.update(seconds=0.3, error=None, answer=None)
+    # one call at a time and 8 waiting (the stub's queue): 12 users at once leave some of them out
+    options = LoadOptions(url=url, users=12, requests=12, warmup=0, target="translate", busy_backoff_s=0)
+    r = drive(url, options, pid=None, log=_quiet)
+    c = r["counts"]
+    assert c["busy"] >= 1 and c["ok"] >= 9 and c["error"] == 0, (c, r["error_examples"])
 
 
 @pytest.fixture

@@ -81,23 +81,20 @@ def test_backend_is_for_the_translate_target_only():
 
 
 def test_each_request_names_its_backend():
-    class Job:
-        def result(self, timeout):
-            return {"text": "x", "error": None, "backend": "ort_int8", "decoding": {}, "batch": {"decoded_together": 1},
-                    "timings_ms": {"decode": 1.0}, "segments": [], "warnings": []}
-
-        def done(self):
-            return False
+    from bench.load_client import Answer
 
     class Client:
-        def submit(self, *args, api_name):
-            self.args, self.api_name = args, api_name
-            return Job()
+        def call(self, data, timeout_s):
+            self.data = data
+            return Answer({"text": "x", "error": None, "backend": "ort_int8", "decoding": {},
+                           "batch": {"decoded_together": 1}, "timings_ms": {"decode": 1.0}, "segments": [],
+                           "warnings": []}, 0.01, 0.02, 0)
 
     client = Client()
     options = load_mod.LoadOptions(url="http://127.0.0.1:1/", target="translate", backend="ort_int8")
-    load_mod.one_request(client, "Hello.", load_mod.Request(index=0, user=0, sentence=0), options, time.monotonic())
-    assert client.args == ("Hello.", None, "ort_int8") and client.api_name == "/translate"
+    req = load_mod.one_request(client, "Hello.", load_mod.Request(index=0, user=0, sentence=0), options,
+                               time.monotonic())
+    assert client.data == ["Hello.", None, "ort_int8"] and req.outcome == "ok" and req.backend == "ort_int8"
 
 
 def _curve(**extra) -> dict:
