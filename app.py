@@ -39,6 +39,9 @@ logger = logging.getLogger("app")
 DEFAULT_MODEL = REPO / "assets" / "marian-en-zh-small"
 EXAMPLES_TSV = REPO / "assets" / "examples.tsv"
 QUEUE_SIZE = 64  # waiting requests beyond those running; more get "busy, try again"
+# Gradio's queue otherwise tabulates its event history (up to 10,000 events, in pandas) after every request
+# for a monitoring page the app turns off: work and resident memory that grow with the history.
+GRADIO_QUEUE_ENV = {"GRADIO_ANALYTICS_MAX_EVENTS": "1", "GRADIO_ANALYTICS_CACHE_FREQUENCY": str(sys.maxsize)}
 
 __all__ = ["CSS", "Loaded", "build_app", "main"]
 
@@ -66,6 +69,13 @@ def build_app(loaded: Loaded) -> gr.Blocks:
             spotcheck_tab.build(loaded)
             translate_tab.build(loaded)
     return demo
+
+
+def start_queue(demo: gr.Blocks, max_size: int) -> None:
+    """The app's queue: `max_size` waiting requests, one at a time per slot unless an event says
+    otherwise, and no event history kept (`GRADIO_QUEUE_ENV`, read when gradio makes the queue)."""
+    os.environ.update(GRADIO_QUEUE_ENV)
+    demo.queue(max_size=max_size, default_concurrency_limit=1)
 
 
 def read_examples(path: Path) -> list[str]:
@@ -222,13 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     loaded = Loaded(backends, errors, args.model, export_dir, note, args.max_new_tokens, examples, limits=limits,
                     batching=batching)
     demo = build_app(loaded)
-    demo.queue(max_size=args.queue_size, default_concurrency_limit=1)
+    start_queue(demo, args.queue_size)
     demo.launch(
         server_name=os.environ.get("GRADIO_SERVER_NAME") or None,
         server_port=int(os.environ.get("GRADIO_SERVER_PORT") or 7860),
         css=CSS + locate_render.CSS,
         theme=gr.themes.Soft(),
         show_error=True,
+        enable_monitoring=False,
     )
     return 0
 

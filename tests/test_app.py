@@ -181,6 +181,41 @@ def test_backend_that_failed_to_load_is_shown_while_others_work(tiny_backends):
         assert out["backends"][name]["error"] is None and len(out["backends"][name]["token_ids"]) == 6
 
 
+def test_the_queue_tabulates_no_event_history(monkeypatch):
+    """Gradio's queue tabulates its event history in pandas after every request unless told not to;
+    under load that work and the memory it left resident grew with the history."""
+    import gradio as gr
+    from gradio.queueing import Queue
+
+    import app
+
+    for name in app.GRADIO_QUEUE_ENV:
+        monkeypatch.delenv(name, raising=False)  # start_queue sets them; restored after the test
+    tables, tabulate = [], Queue._get_df
+
+    def counted(records):
+        tables.append(len(records))
+        return tabulate(records)
+
+    monkeypatch.setattr(Queue, "_get_df", staticmethod(counted))
+
+    def echo(text: str) -> str:
+        return text.upper()
+
+    with gr.Blocks() as demo:
+        gr.api(echo, api_name="echo")
+    app.start_queue(demo, 4)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        answers = [client.predict(f"request {i}", api_name="/echo") for i in range(3)]
+    finally:
+        demo.close()
+    assert answers == [f"REQUEST {i}" for i in range(3)]
+    assert tables == []
+
+
 @pytest.mark.slow
 def test_cli_refuses_a_model_it_cannot_use(tmp_path):
     missing = tmp_path / "no-such-model"
