@@ -265,6 +265,20 @@ def _check_translate(out, req: Request) -> str | None:
     return None
 
 
+def _judge(req: Request, check: Callable[[], str | None], failed_kind: str,
+           malformed: tuple[type[Exception], ...] = (KeyError, TypeError)) -> None:
+    """An answer's outcome from `check()`: ok, an error of `failed_kind` saying why, or a malformed answer."""
+    try:
+        failed = check()
+    except malformed as e:
+        req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
+        return
+    if failed:
+        req.kind, req.message = failed_kind, failed[:500]
+    else:
+        req.outcome = "ok"
+
+
 def one_request(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
     """Send one request and wait for its outcome, never longer than options.timeout_s."""
     if options.target == "serve":
@@ -286,15 +300,7 @@ def one_request(client, text: str, req: Request, options: LoadOptions, t0: float
     except Exception as e:  # the load test's job is to count what the app answers, by kind
         req.kind, req.message = type(e).__name__, str(e)[:500]
     else:
-        try:
-            failed = _check(out, req)
-        except (KeyError, TypeError) as e:
-            req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
-        else:
-            if failed:
-                req.kind, req.message = "backend_error", failed[:500]
-            else:
-                req.outcome = "ok"
+        _judge(req, lambda: _check(out, req), "backend_error")
     req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
     if job.done():  # a cancelled job may still be settling; its phases are not needed
         for key, value in _phases(job, sent).items():
@@ -321,15 +327,7 @@ def _one_queued(client, text: str, req: Request, options: LoadOptions, t0: float
             req.queue_wait_ms = round(answer.process_starts_s * 1e3, 1)
             req.service_ms = round((answer.completed_s - answer.process_starts_s) * 1e3, 1)
         req.rank_on_join = answer.rank_on_join
-        try:
-            failed = _check_translate(answer.output, req)
-        except (KeyError, TypeError) as e:
-            req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
-        else:
-            if failed:
-                req.kind, req.message = "refused", failed[:500]
-            else:
-                req.outcome = "ok"
+        _judge(req, lambda: _check_translate(answer.output, req), "refused")
     req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
     return req
 
@@ -352,17 +350,13 @@ def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) 
         elif r.status_code not in (200, 422):
             req.kind, req.message = f"http_{r.status_code}", r.text[:500]
         else:
-            try:
+            def check() -> str | None:
                 failed = _check_translate(r.json(), req)
                 if r.status_code == 422 and not failed:
                     raise TypeError("status 422 with no error")
-            except (KeyError, TypeError, ValueError) as e:
-                req.kind, req.message = "malformed_answer", f"{type(e).__name__}: {e}"[:500]
-            else:
-                if failed:
-                    req.kind, req.message = "refused", failed[:500]
-                else:
-                    req.outcome = "ok"
+                return failed
+
+            _judge(req, check, "refused", malformed=(KeyError, TypeError, ValueError))
     req.end_to_end_ms = round((time.perf_counter() - start) * 1e3, 1)
     return req
 
