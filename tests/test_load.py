@@ -195,8 +195,10 @@ def test_translate_answers_are_counted_with_their_batch(stub):
     assert r["target"] == "translate" and r["counts"]["ok"] == 4, r["error_examples"]
     assert r["decoded_together"]["p50"] == 3 and r["latency_ms"]["compute"]["p50"] == 12.5
     assert r["batch_sizes"] == {3: 4}
-    # each request's third of a 12.5 ms decode, over the run's wall time (reported rounded to 10 ms)
-    assert r["decoder_busy_share"] == pytest.approx(4 * 12.5 / 3 / 1000 / r["run_s"], rel=0.1)
+    # each request's third of a 12.5 ms decode, over the run's wall time; the report rounds run_s to
+    # 10 ms, which on a run this short moves the share by more than 10%, so bound it by that rounding
+    busy_s = 4 * 12.5 / 3 / 1000
+    assert busy_s / (r["run_s"] + 0.005) - 0.001 <= r["decoder_busy_share"] <= busy_s / max(r["run_s"] - 0.005, busy_s) + 0.001
     assert r["served"] == {"backends": ["ort_fp32_kv_cache"],
                            "decodings": [{"strategy": "beam search", "num_beams": 4, "max_new_tokens": 511}]}
 
