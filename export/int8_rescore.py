@@ -21,10 +21,14 @@ whole re-scoring otherwise costs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import uses_external_data
 
+from .onnx_io import transpose_to_file
 from .rewrite import RewriteError, copy_metadata
 
 DEFAULT_TOP = 16
@@ -42,8 +46,12 @@ def output_layer(model: onnx.ModelProto, output: str = "logits") -> onnx.NodePro
     return node
 
 
-def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAULT_TOP) -> dict:
-    """Rewrite `model` (the int8 graph of `source`) in place; `source` holds the fp32 weight."""
+def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAULT_TOP,
+                folder: Path | None = None) -> dict:
+    """Rewrite `model` (the int8 graph of `source`) in place; `source` holds the fp32 weight, inline
+    or in a data file in `folder`. An external weight's (V, d) copy is written block by block to a
+    scratch file there (`onnx_io.scratch_name` of the returned "table"), which the caller removes
+    once the graph is saved."""
     if k < 1:
         raise ValueError(f"re-scoring needs at least 1 candidate, got {k}")
     fp32 = output_layer(source)
@@ -55,9 +63,12 @@ def rescore_top(model: onnx.ModelProto, source: onnx.ModelProto, k: int = DEFAUL
     if out not in producers:
         raise RewriteError(f"the int8 graph has no {out!r} to re-score")
     table = next(i for i in source.graph.initializer if i.name == weight)
-    w = numpy_helper.to_array(table)  # (d, V)
     rows = f"{weight}.rows_fp32"
-    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), rows))  # (V, d)
+    if uses_external_data(table):
+        graph.initializer.append(transpose_to_file(table, folder or Path("."), rows))  # (V, d)
+    else:
+        w = numpy_helper.to_array(table)  # (d, V)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), rows))  # (V, d)
     graph.initializer.extend([
         numpy_helper.from_array(np.array([k], dtype=np.int64), f"{out}.k"),
         numpy_helper.from_array(np.array([-1], dtype=np.int64), f"{out}.last"),

@@ -6,7 +6,7 @@ checksums with the graph. Every step that rewrites a graph (export/rewrite.py, f
 through `save`, which writes that file whenever the source graph had one.
 
 Streaming: a step that rewrites structure loads the graph without its weights (`load_structure`),
-reads only the tensors it changes (`numpy_helper.to_array(tensor, folder)`), and `save(...,
+reads only the tensors it changes (`read_array(tensor, folder)`), and `save(...,
 source=folder)` copies every other weight file to file, so no step holds a graph's weights in memory.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 # Tensors smaller than this stay inside the graph file, as onnx.save_model's size_threshold.
@@ -45,8 +46,26 @@ def external_files(path: Path) -> list[str]:
 
 
 def load_structure(path: Path) -> onnx.ModelProto:
-    """The graph with its external weights left on disk (read one with `to_array(tensor, folder)`)."""
+    """The graph with its external weights left on disk (read one with `read_array(tensor, folder)`)."""
     return onnx.load(str(path), load_external_data=False)
+
+
+def read_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
+    """A tensor's values, an external one read from its data file in `folder` without touching the
+    tensor (`numpy_helper.to_array` would load the bytes into it and keep them there)."""
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = ExternalDataInfo(tensor)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    if info.length and info.length != count * dtype.itemsize:
+        raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {list(tensor.dims)}")
+    with open(Path(folder) / info.location, "rb") as src:
+        src.seek(info.offset or 0)
+        array = np.fromfile(src, dtype=dtype, count=count)
+    if array.size != count:
+        raise OSError(f"{info.location} ends before tensor {tensor.name!r} does")
+    return array.reshape(tuple(int(d) for d in tensor.dims))
 
 
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:

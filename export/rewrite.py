@@ -165,7 +165,7 @@ def _symmetric_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset()) -> dict:
+def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset(), folder: Path | None = None) -> dict:
     """After ORT's dynamic quantization (MatMul only): make every embedding Gather read int8,
     except those named in `keep`.
 
@@ -173,7 +173,8 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset()) -> di
     `<W>_quantized` / `_scale` / `_zero_point`; the Gather then reads those, so the embedding and
     the output layer use one set of int8 numbers (tied, as in the fp32 model). A weight only
     gathered (the encoder's embedding) is quantized here the same way, one scale per gathered
-    row or column. The fp32 table is then dropped: it is the largest weight of the graph.
+    row or column. The fp32 table is then dropped: it is the largest weight of the graph. `folder`:
+    where an external table's data file is.
     Gather(W, ids, axis) becomes (Cast(Gather(Wq, ids, axis)) - Gather(z, ids)) * Gather(s, ids).
     """
     graph = model.graph
@@ -191,7 +192,9 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset()) -> di
         qn, sn, zn = f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"
         source = "matmul"
         if qn not in inits:
-            q, s = _symmetric_int8(numpy_helper.to_array(inits[weight]), axis)
+            from .onnx_io import read_array
+
+            q, s = _symmetric_int8(read_array(inits[weight], folder or Path(".")), axis)
             graph.initializer.extend([
                 numpy_helper.from_array(q, qn),
                 numpy_helper.from_array(s, sn),

@@ -359,6 +359,49 @@ def test_weights_rewritten_on_disk_equal_those_rewritten_in_memory(external_expo
                    for t in onnx.load(str(external_export_dir / f"{name}.onnx"), load_external_data=False).graph.initializer)
 
 
+def _graph_bits(model: onnx.ModelProto, folder: Path) -> tuple[list[bytes], dict[str, bytes]]:
+    from export.onnx_io import read_array
+
+    return ([n.SerializeToString() for n in model.graph.node],
+            {t.name: read_array(t, folder).tobytes() + str(t.data_type).encode() for t in model.graph.initializer})
+
+
+def test_int8_reads_weights_one_at_a_time_and_gives_ort_quantize_dynamic_numbers(external_export_dir, tmp_path):
+    """export/quantize.py runs ORT's quantizer on the graph's structure, each weight read from the
+    data file when it is quantized: the nodes and every weight's bits are those of ORT's own
+    quantize_dynamic (which loads the whole graph), a kept MatMul's weight is never read, and the
+    re-scored output layer's table, written through a scratch file, equals the in-memory one."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from export import quantize
+    from export.int8_rescore import output_layer
+
+    src = external_export_dir / "decoder.onnx"
+    structure = onnx.load(str(src), load_external_data=False)
+    head = output_layer(structure).name
+    kept = next(i for i in quantize.quantizable("decoder", structure) if i.op == "MatMul" and i.node != head)
+    reference = tmp_path / "ref" / "decoder_int8.onnx"
+    reference.parent.mkdir()
+    quantize_dynamic(model_input=str(src), model_output=str(reference), op_types_to_quantize=quantize.OPS_TO_QUANTIZE,
+                     per_channel=True, reduce_range=True, weight_type=QuantType.QInt8, nodes_to_exclude=[kept.node],
+                     extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
+    ours = quantize._quantize_dynamic(src, [kept.node])
+    assert _graph_bits(ours, src.parent) == _graph_bits(onnx.load(str(reference)), reference.parent)
+    weights = {t.name: t for t in ours.graph.initializer}
+    assert weights[kept.weight].data_location == onnx.TensorProto.EXTERNAL and not weights[kept.weight].raw_data
+    assert any(t.data_type == onnx.TensorProto.INT8 for t in weights.values())
+
+    inline = external_export_dir.parent / "nllb-inline"
+    made = {}
+    for name, folder in (("streamed", external_export_dir), ("inline", inline)):
+        made[name] = tmp_path / name / "decoder_int8.onnx"
+        made[name].parent.mkdir()
+        quantize.quantize_int8(folder / "decoder.onnx", made[name], keep={kept.node}, rescore=4)
+    assert _graph_bits(onnx.load(str(made["streamed"]), load_external_data=False), made["streamed"].parent) \
+        == _graph_bits(onnx.load(str(made["inline"])), made["inline"].parent)
+    assert not list(external_export_dir.glob(".scratch-*"))
+
+
 def test_tampered_external_data_is_refused(external_export_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(external_export_dir, copy)
