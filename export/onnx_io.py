@@ -68,6 +68,29 @@ def read_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
     return array.reshape(tuple(int(d) for d in tensor.dims))
 
 
+def read_row_blocks(tensor: onnx.TensorProto, folder: Path | None = None) -> Iterator[np.ndarray]:
+    """A 2-D tensor's rows, CHUNK_BYTES at a time: from its data file in `folder` when external."""
+    rows, cols = (int(d) for d in tensor.dims)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    block = max(1, CHUNK_BYTES // max(1, cols * dtype.itemsize))
+    if not uses_external_data(tensor):
+        whole = numpy_helper.to_array(tensor)
+        for start in range(0, rows, block):
+            yield whole[start:start + block]
+        return
+    info = ExternalDataInfo(tensor)
+    if info.length and info.length != rows * cols * dtype.itemsize:
+        raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {rows}x{cols}")
+    with open(Path(folder or ".") / info.location, "rb") as src:
+        src.seek(info.offset or 0)
+        for start in range(0, rows, block):
+            n = min(block, rows - start)
+            part = np.fromfile(src, dtype=dtype, count=n * cols)
+            if part.size != n * cols:
+                raise OSError(f"{info.location} ends before tensor {tensor.name!r} does")
+            yield part.reshape(n, cols)
+
+
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every initializer of `graph` and of its subgraphs, in the order onnx.save_model writes them."""
     yield from graph.initializer

@@ -156,12 +156,30 @@ def rewrite_file(path: Path) -> dict:
     return report
 
 
-def _symmetric_int8(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    # One scale per slice along `axis`, as ORT's per-channel weight quantization: max |w| -> 127.
-    reduce = 1 - axis
-    scale = np.abs(w).max(axis=reduce) / 127.0
+def _symmetric_int8(tensor: onnx.TensorProto, axis: int, folder: Path | None) -> tuple[np.ndarray, np.ndarray]:
+    """One scale per slice along `axis`, as ORT's per-channel weight quantization: max |w| -> 127.
+    Two passes over the rows a block at a time (the scales, then the int8 numbers), so the fp32
+    table is never in memory whole."""
+    from .onnx_io import read_row_blocks
+
+    rows, cols = (int(d) for d in tensor.dims)
+    top = np.zeros(rows if axis == 0 else cols, np.float32)
+    start = 0
+    for part in read_row_blocks(tensor, folder):
+        if axis == 0:
+            top[start:start + len(part)] = np.abs(part).max(axis=1)
+        else:
+            np.maximum(top, np.abs(part).max(axis=0), out=top)
+        start += len(part)
+    scale = top / 127.0
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    q = np.clip(np.rint(w / np.expand_dims(scale, reduce)), -127, 127).astype(np.int8)
+    q = np.empty((rows, cols), np.int8)
+    start = 0
+    for part in read_row_blocks(tensor, folder):
+        n = len(part)
+        q[start:start + n] = np.clip(np.rint(part / (scale[start:start + n, None] if axis == 0 else scale[None, :])),
+                                     -127, 127).astype(np.int8)
+        start += n
     return q, scale
 
 
@@ -192,9 +210,7 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset(), folde
         qn, sn, zn = f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"
         source = "matmul"
         if qn not in inits:
-            from .onnx_io import read_array
-
-            q, s = _symmetric_int8(read_array(inits[weight], folder or Path(".")), axis)
+            q, s = _symmetric_int8(inits[weight], axis, folder)
             graph.initializer.extend([
                 numpy_helper.from_array(q, qn),
                 numpy_helper.from_array(s, sn),

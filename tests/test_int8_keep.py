@@ -78,6 +78,33 @@ def test_keep_a_gather_leaves_that_embedding_in_fp32(tiny_export_dir, tmp_path):
     assert any(n.op_type in QUANTIZED for n in graph.node)
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_an_embedding_quantized_row_block_by_row_block_equals_the_whole_table_at_once(axis, tmp_path, monkeypatch):
+    """rewrite._symmetric_int8 reads the fp32 table a few rows at a time, from its data file when
+    external: its scales and int8 numbers are those of the whole table quantized at once."""
+    from onnx import numpy_helper
+
+    from export import onnx_io, rewrite
+
+    w = np.random.default_rng(0).standard_normal((37, 11)).astype(np.float32) * 3
+    w[5] = 0.0
+    w[:, 2] = 0.0  # a zero slice on either axis gets scale 1
+    reduce = 1 - axis
+    scale = np.abs(w).max(axis=reduce) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.rint(w / np.expand_dims(scale, reduce)), -127, 127).astype(np.int8)
+
+    monkeypatch.setattr(onnx_io, "CHUNK_BYTES", 3 * 11 * 4)  # three rows a block: 13 blocks
+    inline = numpy_helper.from_array(w, "w")
+    (tmp_path / "w.data").write_bytes(b"\0" * 8 + w.tobytes())
+    external = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[37, 11])
+    onnx_io._point_to(external, "w.data", 8, w.nbytes)
+    for tensor, folder in ((inline, None), (external, tmp_path)):
+        got_q, got_scale = rewrite._symmetric_int8(tensor, axis, folder)
+        assert got_q.tobytes() == q.tobytes() and got_scale.tobytes() == scale.tobytes()
+        assert got_q.dtype == np.int8 and got_scale.dtype == np.float32
+
+
 def test_unknown_node_to_keep_is_refused(tiny_export_dir, tmp_path):
     with pytest.raises(ValueError, match="no node"):
         quantize.quantize_int8(tiny_export_dir / "decoder.onnx", tmp_path / "x.onnx", keep={"no_such_node"})
