@@ -50,16 +50,22 @@ def load_structure(path: Path) -> onnx.ModelProto:
     return onnx.load(str(path), load_external_data=False)
 
 
-def read_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
-    """A tensor's values, an external one read from its data file in `folder` without touching the
-    tensor (`numpy_helper.to_array` would load the bytes into it and keep them there)."""
-    if not uses_external_data(tensor):
-        return numpy_helper.to_array(tensor)
+def _external(tensor: onnx.TensorProto) -> tuple[ExternalDataInfo, np.dtype, int]:
+    """An external tensor's data-file entry, element type and element count, its length checked."""
     info = ExternalDataInfo(tensor)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
     count = int(np.prod(tensor.dims, dtype=np.int64))
     if info.length and info.length != count * dtype.itemsize:
         raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {list(tensor.dims)}")
+    return info, dtype, count
+
+
+def read_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
+    """A tensor's values, an external one read from its data file in `folder` without touching the
+    tensor (`numpy_helper.to_array` would load the bytes into it and keep them there)."""
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info, dtype, count = _external(tensor)
     with open(Path(folder) / info.location, "rb") as src:
         src.seek(info.offset or 0)
         array = np.fromfile(src, dtype=dtype, count=count)
@@ -71,16 +77,14 @@ def read_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
 def read_row_blocks(tensor: onnx.TensorProto, folder: Path | None = None) -> Iterator[np.ndarray]:
     """A 2-D tensor's rows, CHUNK_BYTES at a time: from its data file in `folder` when external."""
     rows, cols = (int(d) for d in tensor.dims)
-    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    block = max(1, CHUNK_BYTES // max(1, cols * dtype.itemsize))
     if not uses_external_data(tensor):
         whole = numpy_helper.to_array(tensor)
+        block = max(1, CHUNK_BYTES // max(1, cols * whole.itemsize))
         for start in range(0, rows, block):
             yield whole[start:start + block]
         return
-    info = ExternalDataInfo(tensor)
-    if info.length and info.length != rows * cols * dtype.itemsize:
-        raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {rows}x{cols}")
+    info, dtype, _ = _external(tensor)
+    block = max(1, CHUNK_BYTES // max(1, cols * dtype.itemsize))
     with open(Path(folder or ".") / info.location, "rb") as src:
         src.seek(info.offset or 0)
         for start in range(0, rows, block):
@@ -193,11 +197,8 @@ def transpose_to_file(tensor: onnx.TensorProto, folder: Path, name: str) -> onnx
     once the graph is saved. Rows are read a block at a time and written as column segments, so
     neither the tensor nor its transpose is ever in memory whole."""
     rows, cols = (int(d) for d in tensor.dims)
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    item = np.dtype(dtype).itemsize
-    info = ExternalDataInfo(tensor)
-    if info.length and info.length != rows * cols * item:
-        raise ValueError(f"{tensor.name}: {info.length} bytes of external data for shape {rows}x{cols}")
+    info, dtype, _ = _external(tensor)
+    item = dtype.itemsize
     block = max(1, CHUNK_BYTES // (cols * item))
     scratch = Path(folder) / scratch_name(name)
     try:

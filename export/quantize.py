@@ -67,12 +67,13 @@ def quantizable(graph: str, model: onnx.ModelProto) -> list[Item]:
     return items
 
 
-def _quantize_dynamic(src: Path, keep_matmuls: Collection[str]) -> onnx.ModelProto:
+def _quantize_dynamic(src: Path, keep_matmuls: Collection[str], structure: onnx.ModelProto | None = None) -> onnx.ModelProto:
     """`quantize_dynamic`'s steps and settings on `src`'s structure, each weight read from its data
     file only when ORT quantizes it. `quantize_dynamic` itself loads the whole graph with its weights
     for shape inference, saves and reloads it (weights again) to infer shapes once more, and keeps
     each weight it reads; here one fp32 weight is in memory at a time, and the weights it leaves
-    alone stay on disk until `onnx_io.save` copies them."""
+    alone stay on disk until `onnx_io.save` copies them. `structure`: `src` already loaded without
+    its weights (left unchanged)."""
     from unittest import mock
 
     from onnxruntime.quantization import QuantType, base_quantizer, onnx_quantizer
@@ -96,7 +97,7 @@ def _quantize_dynamic(src: Path, keep_matmuls: Collection[str]) -> onnx.ModelPro
         add_infer_metadata(inferred)
         return inferred
 
-    model = update_opset_version(infer_shapes(load_structure(src)), QuantType.QInt8)
+    model = update_opset_version(infer_shapes(structure or load_structure(src)), QuantType.QInt8)
     # ORT reads every weight it quantizes through tensor_proto_to_array, and infers shapes once more
     # when it makes the quantizer.
     patches = (mock.patch.object(base_quantizer, "tensor_proto_to_array", read),
@@ -139,7 +140,7 @@ def quantize_int8(src: Path, dst: Path, keep: Collection[str] = (), rescore: int
         raise ValueError(f"{src.name} has no node(s) {', '.join(unknown)} to keep in fp32")
     ops = {n.name: n.op_type for n in source.graph.node}
     external = bool(external_files(src))
-    model = _quantize_dynamic(src, [k for k in keep if ops[k] == "MatMul"])
+    model = _quantize_dynamic(src, [k for k in keep if ops[k] == "MatMul"], source)
     # The quantizer's nodes get the metadata of the MatMuls they replace (service/locate.py reads it).
     rewrite.copy_scope_metadata(source, model)
     gathers = rewrite.quantize_gathers(model, keep={k for k in keep if ops[k] == "Gather"}, folder=src.parent)
