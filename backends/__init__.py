@@ -24,9 +24,18 @@ from .tokenizer import InputError, TokenizerWrapper
 logger = logging.getLogger("backends")
 
 
+def runnable_backends(manifest: Manifest) -> tuple[str, ...]:
+    """The built-in backends this export can run: those whose graphs it did not leave out."""
+    return tuple(n for n in BACKEND_NAMES if not set(GRAPHS.get(n, ())) & set(manifest.graphs_left_out))
+
+
 def _build(
     name: str, manifest: Manifest, tokenizer: TokenizerWrapper, session: SessionConfig, tables: SharedTables
 ) -> Backend:
+    left_out = [g for g in GRAPHS.get(name, ()) if g in manifest.graphs_left_out]
+    if left_out:
+        raise ValueError(f"backend {name} needs graph {left_out[0]!r}, which was {manifest.graphs_left_out[left_out[0]]}; "
+                         f"this export runs: {', '.join(runnable_backends(manifest))}")
     return spec_of(name).build(manifest, tokenizer, session, tables)
 
 
@@ -79,12 +88,15 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES)
     """Bytes each named backend is expected to hold once loaded: its weights as stored on disk
     (graph files with their external data; the source model's weights for pytorch). A floor, not
     a ceiling: activations, ORT's packed weight copies and the KV caches come on top (peak RSS
-    against these figures is measured in docs/benchmarks.md)."""
+    against these figures is measured in docs/benchmarks.md). A backend whose graphs the export
+    left out is not counted: it will not load."""
     _check_names(names)
     manifest = load_manifest(export_dir)
     files = manifest.data["files"]
     needs = {}
     for name in names:
+        if name not in runnable_backends(manifest):
+            continue  # refused by name when loaded
         if not GRAPHS.get(name):
             needs[name] = _source_weight_bytes(manifest)
             continue
@@ -106,7 +118,8 @@ def load_backends(
 ) -> dict[str, Backend]:
     """Load the named backends in `BACKEND_NAMES` order; any failure raises.
 
-    Backends loaded together share identical lookup tables (`shared_tables`). `src_lang`,
+    Backends loaded together share identical lookup tables (`shared_tables`), unless
+    `session.low_memory` asks each to map its own. `src_lang`,
     `tgt_lang`: language codes overriding the export's (models with codes: NLLB, M2M100, mBART-50);
     an unknown code raises ValueError listing the known ones. `external`: {NAME: DIR} of
     Optimum-layout exports of the same model, loaded after the built-in ones as backends NAME
@@ -114,7 +127,7 @@ def load_backends(
     """
     external = check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
-    tables = SharedTables()
+    tables = None if session.low_memory else SharedTables()
     loaded = {n: _build(n, manifest, tokenizer, session, tables) for n in BACKEND_NAMES if n in names}
     for n, path in external.items():
         loaded[n] = _build_external(n, path, manifest, tokenizer, session)
@@ -136,7 +149,7 @@ def try_load_backends(
     """
     external = check_external(external)
     manifest, tokenizer = _prepare(export_dir, names, src_lang, tgt_lang)
-    tables = SharedTables()
+    tables = None if session.low_memory else SharedTables()
     loaded, failed = {}, {}
     for n in BACKEND_NAMES:
         if n not in names:
@@ -179,5 +192,6 @@ __all__ = [
     "load_backends",
     "load_manifest",
     "memory_needs",
+    "runnable_backends",
     "try_load_backends",
 ]

@@ -229,8 +229,15 @@ class Manifest:
         peak = f"; largest |value| on calibration text {top['max_abs']:.3g} ({top['op']})" if top else ""
         return f"overflow guard: {n} node(s) in fp32, those reading or writing |values| >= {guard['threshold']:.0f}{peak}"
 
+    @property
+    def graphs_left_out(self) -> dict[str, str]:
+        """{graph: why} for the graphs this export chose not to write (`--no-single-step`)."""
+        return dict(self.data.get("graphs_left_out") or {})
+
     def graph(self, name: str) -> dict[str, Any]:
         graphs = self.data["graphs"]
+        if name in self.graphs_left_out:
+            raise ManifestError(f"{self.root}: graph {name!r} was {self.graphs_left_out[name]}")
         if name not in graphs:
             raise ManifestError(f"{self.root}: no graph {name!r}; this export has: {', '.join(graphs)}")
         return graphs[name]

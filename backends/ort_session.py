@@ -28,12 +28,21 @@ class SessionConfig:
     threads: int | None = None
     # "auto" takes CUDA when onnxruntime-gpu and a GPU are present, else the CPU.
     provider: str = "auto"
+    # Load for the least memory rather than the most speed: MatMul weights are not pre-packed (a
+    # packed copy sits beside any weight that a Gather also reads, such as a tied output table),
+    # nodes run in the graph's own order so values are freed as soon as their readers have run,
+    # and `load_backends` leaves each session its own memory-mapped tables instead of copies
+    # shared between backends. fp32 numbers move by rounding only; int8's unpacked kernels compute
+    # different numbers (docs/export.md).
+    low_memory: bool = False
 
     def __post_init__(self):
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         if self.provider not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown provider {self.provider!r}; expected one of: auto, cpu, cuda")
+        if not isinstance(self.low_memory, bool):
+            raise ValueError(f"low_memory must be True or False, got {self.low_memory!r}")
 
     def providers(self) -> list[str]:
         available = ort.get_available_providers()
@@ -74,6 +83,9 @@ def session_options(config: SessionConfig, memory_arena: bool = True) -> "ort.Se
     # default) holds a core that the next session or the decoding loop's own threads want.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
+    if config.low_memory:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return options
 
 

@@ -42,7 +42,8 @@ def _torch_backend(spec, manifest, tokenizer, session, tables):
 
     source = pytorch.source_model_of(manifest)
     model = pytorch.TorchStepModel(source, threads=session.threads, architecture=manifest.architecture)
-    pytorch.offer_tables(model, tables)
+    if tables is not None:
+        pytorch.offer_tables(model, tables)
     return Backend(spec.name, model, tokenizer, manifest, pytorch.info(model, source))
 
 

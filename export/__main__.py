@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing export folder")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument("--no-verify", action="store_true", help="skip parity verification (not recommended)")
+    parser.add_argument("--no-single-step", action="store_true",
+                        help="leave out the single-step graph (full.onnx, the naive baseline backend): at billions "
+                             "of parameters it repeats every weight in a file of its own; the sidecar says so")
     parser.add_argument("--sentences", type=Path, default=DEV_TSV, help="TSV (en column) or text file of verification sentences (default data/dev.tsv)")
     parser.add_argument("--verify-sentences", type=int, default=16)
     parser.add_argument("--verify-max-new-tokens", type=int, default=48)
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             opset=args.opset,
             verify=not args.no_verify,
+            single_step=not args.no_single_step,
             sentences=args.sentences,
             verify_sentences=args.verify_sentences,
             verify_max_new_tokens=args.verify_max_new_tokens,

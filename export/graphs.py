@@ -133,10 +133,10 @@ def _describe_failure(spec_name: str, error: Exception) -> str:
     return f"exporting the {spec_name} graph failed: {type(error).__name__}: {detail} ({_versions()})"
 
 
-def probe(model, family, config, opset: int) -> dict[str, float]:
+def probe(model, family, config, opset: int, names=("full", "encoder", "decoder")) -> dict[str, float]:
     """Trace each wrapper on a tiny input; fail early with the operator and versions in the message."""
     times = {}
-    for name in ("full", "encoder", "decoder"):
+    for name in names:
         start = time.perf_counter()
         module, args = _modules_and_args(model, family, name, config, batch=1, src_len=3, tgt_len=2, past_len=1)
         try:

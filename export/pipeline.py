@@ -40,6 +40,9 @@ class ExportOptions:
     fp16_keep: Fp16Keep = Fp16Keep()
     # int8 nodes kept in fp32: "none", "auto" or a count, by measured sensitivity (export/int8_choice.py).
     int8_keep: str = "none"
+    # The single-step graph repeats every weight in a file of its own and serves only the naive
+    # baseline backend; at billions of parameters a user may leave it out (said so in the sidecar).
+    single_step: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "int8_keep", str(int8_choice.parse_keep(self.int8_keep)))
@@ -133,7 +136,7 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
         import torch
 
         torch.set_num_threads(options.threads)
-    steps = _Steps(9 if options.verify else 8, log)
+    steps = _Steps(7 + options.verify + options.single_step, log)
     model, tokenizer, source, family, languages = steps.run(
         f"load {src}", load_source, src, options.src_lang, options.tgt_lang
     )
@@ -141,7 +144,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
     shape = family.layout.shape(config)
     generation = sidecar.generation(model, family, source, languages)  # refuses unsupported options before any graph is made
     external = graphs.needs_external_data(model) if options.external_data is None else options.external_data
-    steps.run("probe: trace each graph on a tiny input", graphs.probe, model, family, config, options.opset)
+    exported = ("full", "encoder", "decoder") if options.single_step else ("encoder", "decoder")
+    steps.run("probe: trace each graph on a tiny input", graphs.probe, model, family, config, options.opset, exported)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -153,7 +157,8 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
             path = graphs.export_graph(model, family, config, specs["full"], tmp, options.opset, external)
             rewrites["full"] = rewrite.rewrite_file(path)
 
-        steps.run("export full (single-step) graph", full)
+        if options.single_step:
+            steps.run("export full (single-step) graph", full)
 
         def kv_pair():
             graphs.export_graph(model, family, config, specs["encoder"], tmp, options.opset, external)
@@ -214,11 +219,12 @@ def export(src: str, options: ExportOptions, log=print) -> Path:
                     "sensitivity": choice["sensitivity"]}
 
         int8_report = steps.run("quantize KV-cache pair to int8 (dynamic)", to_int8)
-        graph_section = sidecar.graph_entries(specs, tmp)
+        left_out = {} if options.single_step else {"full": sidecar.SINGLE_STEP_LEFT_OUT}
+        graph_section = sidecar.graph_entries(specs, tmp, left_out)
         tokenizer_record = sidecar.save_tokenizer(tokenizer, source, family, tmp)
         manifest = sidecar.manifest(
             config, facts, tokenizer, source, family, languages, generation, opset=options.opset, graph_section=graph_section,
-            tokenizer_record=tokenizer_record, rewrites=rewrites, fp16=fp16_report, int8=int8_report,
+            tokenizer_record=tokenizer_record, rewrites=rewrites, fp16=fp16_report, int8=int8_report, left_out=left_out,
         )
 
         def write_manifest():

@@ -57,8 +57,12 @@ def _graph_entry(spec: graphs.GraphSpec, precision: str, file: str | None = None
     return entry
 
 
-def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path) -> dict:
-    """The sidecar's "graphs" section, each file checked for Dropout nodes (a model not in eval mode)."""
+SINGLE_STEP_LEFT_OUT = "left out at export (--no-single-step)"
+
+
+def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path, left_out: dict[str, str] | None = None) -> dict:
+    """The sidecar's "graphs" section, each file checked for Dropout nodes (a model not in eval mode);
+    `left_out`: {graph: why} for graphs not exported."""
     entries = {
         "full": _graph_entry(specs["full"], "fp32"),
         "encoder": _graph_entry(specs["encoder"], "fp32"),
@@ -68,6 +72,7 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path) -> dict:
         "encoder_int8": _graph_entry(specs["encoder"], "int8", "encoder_int8.onnx"),
         "decoder_int8": _graph_entry(specs["decoder"], "int8", "decoder_int8.onnx"),
     }
+    entries = {name: entry for name, entry in entries.items() if name not in (left_out or {})}
     for entry in entries.values():
         _no_dropout(folder / entry["file"])
         data = external_files(folder / entry["file"])
@@ -123,7 +128,8 @@ def save_tokenizer(tokenizer, source: dict, family, folder: Path) -> dict:
 
 
 def manifest(config, facts: dict, tokenizer, source: dict, family, languages: dict | None, generation: dict, *,
-             opset: int, graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict) -> dict:
+             opset: int, graph_section: dict, tokenizer_record: dict, rewrites: dict, fp16: dict, int8: dict,
+             left_out: dict[str, str] | None = None) -> dict:
     """Every section of the sidecar; "verification", the timings and "files" are filled in later.
     `facts`: `model_facts` of the model, taken while it was loaded."""
     limit = family.layout.shape(config)["max_position_embeddings"]
@@ -159,6 +165,8 @@ def manifest(config, facts: dict, tokenizer, source: dict, family, languages: di
         "exporter": "torch.onnx.export(dynamo=True, optimize=True): constant folding on; model in eval mode, no grad",
         "first_step": FIRST_STEP,
         "graphs": graph_section,
+        # Graphs not exported, with why: the backends that need them are refused by name.
+        "graphs_left_out": dict(left_out or {}),
         # Tied output layer stored once, pre-transposed; attention cores fused: see export/rewrite.py
         # and export/attention.py.
         "rewrites": rewrites,

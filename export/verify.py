@@ -13,7 +13,10 @@ one `step` per decoder position, as the decoding loop calls them), greedy ids fr
 
 Memory: one engine at a time. Each engine (and each backend) is loaded when its turn comes and
 released before the next one loads, next to the PyTorch model and its reference logits: at the
-larger families' sizes, every engine at once would not fit beside them.
+larger families' sizes, every engine at once would not fit beside them. The fp32 and fp16 engines
+load with `SessionConfig.low_memory` (no pre-packed copy of the weights, tables mapped from their
+files); int8 loads as the app loads it, since its unpacked kernels compute other numbers. The
+report names the engines checked that way.
 """
 
 from __future__ import annotations
@@ -126,15 +129,30 @@ def _masked_max_abs(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None = None
     return float(diff.max())
 
 
+def _low_memory(spec) -> bool:
+    return spec.precision != "int8"
+
+
+LOW_MEMORY_BACKENDS = tuple(spec.name for spec in ENGINES.values() if _low_memory(spec))
+
+
+def _session(name: str, threads):
+    from backends import SessionConfig
+
+    return SessionConfig(threads=threads, provider="cpu", low_memory=name in LOW_MEMORY_BACKENDS)
+
+
 def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
     """The engine of every ORT backend (`ENGINES`, by its logits key), one at a time: each is built
     when the caller asks for the next and released after it."""
-    from backends import SessionConfig, load_manifest
+    from backends import load_manifest
 
     manifest = load_manifest(export_dir)
-    session = SessionConfig(threads=threads, provider="cpu")
     for key, spec in ENGINES.items():
-        yield key, spec.engine(spec, manifest, session)  # the caller drops it before asking for the next
+        if set(spec.graphs) & set(manifest.graphs_left_out):
+            continue
+        # the caller drops it before asking for the next
+        yield key, spec.engine(spec, manifest, _session(spec.name, threads))
         gc.collect()  # the sessions' weights go before the next engine loads
 
 
@@ -176,10 +194,11 @@ class _OneAtATime(Mapping):
     """The export's backends as `parity_report` reads them (membership, then `items()` in order),
     each loaded when its turn comes and closed before the next one loads."""
 
-    def __init__(self, export_dir: Path, session, names: tuple[str, ...] | None = None):
-        from backends import BACKEND_NAMES
+    def __init__(self, export_dir: Path, threads):
+        from backends import load_manifest, runnable_backends
 
-        self.export_dir, self.session, self.names = export_dir, session, tuple(names or BACKEND_NAMES)
+        self.export_dir, self.threads = export_dir, threads
+        self.names = runnable_backends(load_manifest(export_dir))
 
     def __contains__(self, name) -> bool:
         return name in self.names
@@ -197,7 +216,7 @@ class _OneAtATime(Mapping):
         from backends import load_backends
 
         for name in self.names:
-            backend = load_backends(self.export_dir, (name,), session=self.session)[name]
+            backend = load_backends(self.export_dir, (name,), session=_session(name, self.threads))[name]
             try:
                 yield name, backend
             finally:
@@ -211,10 +230,9 @@ def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, t
 
     `decode`: further options for `Backend.translate`; none given, the export's defaults apply.
     """
-    from backends import SessionConfig
     from backends.divergence import parity_report
 
-    backends = _OneAtATime(export_dir, SessionConfig(threads=threads, provider="cpu"))
+    backends = _OneAtATime(export_dir, threads)
     return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
 
 
@@ -325,6 +343,7 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
     }
     return {
         "fp32_tolerance": FP32_LOGITS_TOLERANCE,
+        "low_memory_backends": list(LOW_MEMORY_BACKENDS),
         "fp32_passed": fp32_passed,
         "passed": not failures,
         "failures": failures,

@@ -342,6 +342,70 @@ def test_backends_loaded_together_hold_one_copy_of_each_table(tiny_export_dir):
     assert np.array_equal(a, b)
 
 
+_TIED_TABLE_PROBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+import numpy as np
+from backends.ort_session import SessionConfig, create_session
+from runtime.memory import rss_mb
+before = rss_mb()
+session = create_session({graph!r}, SessionConfig(threads=1, provider="cpu", low_memory={low}))
+session.run(None, {{"ids": np.array([3, 70000], np.int64), "x": np.ones((1, 256), np.float32)}})
+print(json.dumps({{"grew_mb": rss_mb() - before}}))
+"""
+
+
+def test_low_memory_sessions_hold_a_tied_table_once_and_compute_the_same_fp32_numbers(tiny_export_dir, tmp_path,
+                                                                                      monkeypatch):
+    """A table read by a Gather and a MatMul (a tied output layer) is held twice by a default
+    session, once as it is and once pre-packed for the MatMul; `low_memory` holds it once."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = np.random.default_rng(0).standard_normal((256, 131072)).astype(np.float32)  # 128 MB
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=1),
+         helper.make_node("MatMul", ["x", "table"], ["logits"])],
+        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"]),
+                 helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [256, "n"]),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 131072])],
+        [numpy_helper.from_array(table, "table")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "tied.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="tied.onnx.data")
+    grew = {}
+    for low in (False, True):
+        out = subprocess.run([sys.executable, "-c", _TIED_TABLE_PROBE.format(root=str(REPO), graph=str(path), low=low)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        grew[low] = json.loads(out.stdout)["grew_mb"]
+    assert grew[False] > 1.7 * table.nbytes / 1e6, grew  # the control: two copies
+    assert grew[True] < 1.3 * table.nbytes / 1e6, grew
+
+    # The same numbers to rounding on a real export, and no tables shared between backends.
+    import backends
+    from backends.shared_tables import SharedTables
+
+    monkeypatch.setattr(backends, "SharedTables", lambda: SharedTables(min_bytes=0))  # the tiny tables count
+    low = SessionConfig(threads=1, provider="cpu", low_memory=True)
+    options = __import__("backends.ort_session", fromlist=["session_options"]).session_options(low)
+    assert options.get_session_config_entry("session.disable_prepacking") == "1"
+    names = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
+    lean = load_backends(tiny_export_dir, names, session=low)
+    usual = load_backends(tiny_export_dir, names, session=SessionConfig(threads=1, provider="cpu"))
+    assert not lean["ort_fp32_kv_cache"].model.encoder._shared_initializers
+    assert usual["ort_fp32_kv_cache"].model.encoder._shared_initializers  # the control
+    ids = np.array([[5, 9, 13, 2, 0]], np.int64)
+    start = np.full((1, 1), load_manifest(tiny_export_dir).special.decoder_start, np.int64)
+    for name in names[1:]:
+        a, b = (m[name].model for m in (lean, usual))
+        np.testing.assert_allclose(a.step(a.encode(ids, np.ones_like(ids)), start),
+                                   b.step(b.encode(ids, np.ones_like(ids)), start), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="low_memory must be True or False"):
+        SessionConfig(low_memory="yes")
+
+
 @pytest.mark.slow
 def test_forced_scoring_keeps_no_full_output_alive():
     """The single-step graph returns logits for every position; forced scoring keeps one row per step.

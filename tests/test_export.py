@@ -513,3 +513,33 @@ def test_verification_holds_one_engine_at_a_time(tiny_model_dir, tiny_export_dir
                 entry.pop("seconds")
             (report or {}).pop("reference_seconds", None)
         assert result[key] == recorded[key], key
+
+
+@pytest.mark.slow
+def test_an_export_may_leave_out_the_single_step_graph_and_says_so(tiny_model_dir, tmp_path):
+    """`--no-single-step` (for models whose full graph would repeat billions of weights): no full.onnx,
+    the sidecar names what was left out, verification checks the rest, and the single-step backend is
+    refused by name while the others load."""
+    from backends import memory_needs, runnable_backends, try_load_backends
+    from export.__main__ import main
+
+    out = tmp_path / "kv-only"
+    assert main([str(tiny_model_dir), "--out", str(out), "--no-single-step", "--threads", "2",
+                 "--verify-sentences", "4", "--verify-max-new-tokens", "12"]) == 0
+    manifest = load_manifest(out)
+    assert not (out / "full.onnx").exists() and "full" not in manifest.data["graphs"]
+    assert "--no-single-step" in manifest.graphs_left_out["full"]
+    assert tuple(manifest.data["graphs"]) == GRAPH_NAMES[1:]
+    verification = manifest.data["verification"]
+    assert verification["passed"] and all("full" not in case["max_abs_logit_diff"] for case in verification["logits"])
+    assert "ort_fp32_single_step" not in verification["greedy"]["backends"]
+    assert set(verification["greedy"]["backends"]) == set(runnable_backends(manifest)) - {"pytorch"}
+    assert "ort_fp32_single_step" not in runnable_backends(manifest) and "ort_int8" in runnable_backends(manifest)
+    assert "ort_fp32_single_step" not in memory_needs(out)
+    with pytest.raises(ManifestError, match="left out at export"):
+        manifest.graph("full")
+    loaded, failed = try_load_backends(out, ("ort_fp32_single_step", "ort_fp32_kv_cache"))
+    assert list(loaded) == ["ort_fp32_kv_cache"]
+    assert "left out at export (--no-single-step)" in failed["ort_fp32_single_step"]
+    assert "this export runs: pytorch, ort_fp32_kv_cache" in failed["ort_fp32_single_step"]
+    assert loaded["ort_fp32_kv_cache"].translate(["Hello."], max_new_tokens=8)[0]
