@@ -93,7 +93,14 @@ def _session(model, path: Path, threads: int | None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # ONNX Runtime's CPU kernels compute most fp16 ops in fp32, widening each fp16 weight with a Cast
+    # of its own. Unfolded, those Casts depend on nothing, run first, and every widened weight lives
+    # through the whole run (twice the fp32 weights at NLLB-600M's shape). Only the full optimization
+    # level folds them, once at load, as in an fp16 engine of the app; its fusions cannot merge away
+    # a value that a reduction also reads.
+    widened = any(init.data_type == onnx.TensorProto.FLOAT16 for init in model.graph.initializer)
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if widened
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     options.add_session_config_entry("session.disable_prepacking", "1")
     if threads:
