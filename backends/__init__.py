@@ -24,18 +24,34 @@ from .tokenizer import InputError, TokenizerWrapper
 logger = logging.getLogger("backends")
 
 
+def left_out_backends(manifest: Manifest) -> dict[str, str]:
+    """{built-in backend: why this export cannot run it}: a graph it needs was left out at export
+    (the sidecar says why), or is missing from an older export's sidecar."""
+    why = {}
+    for name in BACKEND_NAMES:
+        for graph in GRAPHS.get(name, ()):
+            if graph in manifest.graphs_left_out:
+                why[name] = f"it needs graph {graph!r}, which was {manifest.graphs_left_out[graph]}"
+            elif graph not in manifest.data["graphs"]:
+                why[name] = f"it needs graph {graph!r}, which is not in this export"
+            else:
+                continue
+            break
+    return why
+
+
 def runnable_backends(manifest: Manifest) -> tuple[str, ...]:
-    """The built-in backends this export can run: those whose graphs it did not leave out."""
-    return tuple(n for n in BACKEND_NAMES if not set(GRAPHS.get(n, ())) & set(manifest.graphs_left_out))
+    """The built-in backends this export can run, in `BACKEND_NAMES` order."""
+    left_out = left_out_backends(manifest)
+    return tuple(n for n in BACKEND_NAMES if n not in left_out)
 
 
 def _build(
     name: str, manifest: Manifest, tokenizer: TokenizerWrapper, session: SessionConfig, tables: SharedTables
 ) -> Backend:
-    left_out = [g for g in GRAPHS.get(name, ()) if g in manifest.graphs_left_out]
-    if left_out:
-        raise ValueError(f"backend {name} needs graph {left_out[0]!r}, which was {manifest.graphs_left_out[left_out[0]]}; "
-                         f"this export runs: {', '.join(runnable_backends(manifest))}")
+    why = left_out_backends(manifest).get(name)
+    if why:
+        raise ValueError(f"backend {name} cannot run here: {why}; this export runs: {', '.join(runnable_backends(manifest))}")
     return spec_of(name).build(manifest, tokenizer, session, tables)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.registry import BACKEND_NAMES, GRAPHS
+from backends import left_out_backends, runnable_backends
 from corpus import DEV_TSV, Pair, default_sample, read_sentences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,18 +43,6 @@ def resolve_model(model: str | Path | None, threads: int | None = None, log=prin
     return ensure_export(model, EXPORTS / name, log=lambda msg, **_: log(msg), threads=threads)
 
 
-# The graphs each ORT backend reads (backends.registry); a backend whose graphs a sidecar does not
-# list is left out of the default set and named in the report.
-GRAPHS_OF = GRAPHS
-
-
 def default_backends(manifest) -> tuple[list[str], dict[str, str]]:
     """(every backend this export can serve, {left-out backend: why}), in `BACKEND_NAMES` order."""
-    names, skipped = [], {}
-    for name in BACKEND_NAMES:
-        missing = [g for g in GRAPHS_OF.get(name, ()) if g not in manifest.data["graphs"]]
-        if missing:
-            skipped[name] = f"not in this export (no {', '.join(missing)} graph)"
-        else:
-            names.append(name)
-    return names, skipped
+    return list(runnable_backends(manifest)), left_out_backends(manifest)

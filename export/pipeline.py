@@ -59,12 +59,12 @@ class VerificationFailed(RuntimeError):
 
 
 def _status_mb(field: str) -> float | None:
-    """A /proc/self/status figure in MB (VmHWM: peak RSS since start or the last reset; VmRSS: now);
-    None off Linux."""
+    """A /proc/self/status figure in MB of 1e6 bytes, as the weights are counted (VmHWM: peak RSS
+    since start or the last reset; VmRSS: now); None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return round(int(line.split()[1]) / 1024, 1)
+            if line.startswith(field + ":"):  # the kernel counts in KiB
+                return round(int(line.split()[1]) * 1024 / 1e6, 1)
     except OSError:
         pass
     return None
@@ -123,7 +123,7 @@ class _Steps:
         self.durations[title] = round(seconds, 2)
         self.peak_rss_mb[title] = peak
         began = self.start_rss_mb[title]
-        memory = "" if peak is None else f", peak RSS {peak / 1024:.2f} GB (started at {(began or 0) / 1024:.2f} GB)"
+        memory = "" if peak is None else f", peak RSS {peak / 1e3:.2f} GB (started at {(began or 0) / 1e3:.2f} GB)"
         self.log(f"[{self.n}/{self.total}] {title}: done in {seconds:.1f} s{memory}", flush=True)
         return result
 

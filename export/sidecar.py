@@ -213,4 +213,7 @@ def summarize(result: dict) -> str:
                 f"  {label} {name}: identical ids {r['identical_ids']}/{g['sentences']}, "
                 f"identical text {r['identical_text']}/{g['sentences']}, token agreement {r['token_agreement']:.1%}"
             )
+    if result.get("peak_rss_mb"):
+        phases = ", ".join(f"{name} {mb / 1e3:.2f}" for name, mb in result["peak_rss_mb"].items())
+        lines.append(f"  peak RSS by phase, GB: {phases}")
     return "\n".join(lines)

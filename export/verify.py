@@ -16,7 +16,8 @@ released before the next one loads, next to the PyTorch model and its reference 
 larger families' sizes, every engine at once would not fit beside them. The fp32 and fp16 engines
 load with `SessionConfig.low_memory` (no pre-packed copy of the weights, tables mapped from their
 files); int8 loads as the app loads it, since its unpacked kernels compute other numbers. The
-report names the engines checked that way.
+report names the engines checked that way, and the peak resident memory of each phase (which
+engine, which check), sampled as it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from backends.base import StepModel
 from backends.registry import BACKENDS
 from corpus import DEV_TSV, read_sentences
 from families import shape_of
+from runtime.memory import PhasePeaks
 
 FP32_LOGITS_TOLERANCE = 1e-4
 # Each ORT engine's key in the logits report; the approximate ones are reported, not required to match.
@@ -136,13 +139,17 @@ def _low_memory(spec) -> bool:
 LOW_MEMORY_BACKENDS = tuple(spec.name for spec in ENGINES.values() if _low_memory(spec))
 
 
+def _phase(peaks: PhasePeaks | None, name: str):
+    return nullcontext() if peaks is None else peaks.phase(name)
+
+
 def _session(name: str, threads):
     from backends import SessionConfig
 
     return SessionConfig(threads=threads, provider="cpu", low_memory=name in LOW_MEMORY_BACKENDS)
 
 
-def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
+def _step_models(export_dir: Path, threads, peaks: PhasePeaks | None = None) -> Iterator[tuple[str, StepModel]]:
     """The engine of every ORT backend (`ENGINES`, by its logits key), one at a time: each is built
     when the caller asks for the next and released after it."""
     from backends import load_manifest
@@ -151,21 +158,23 @@ def _step_models(export_dir: Path, threads) -> Iterator[tuple[str, StepModel]]:
     for key, spec in ENGINES.items():
         if set(spec.graphs) & set(manifest.graphs_left_out):
             continue
-        # the caller drops it before asking for the next
-        yield key, spec.engine(spec, manifest, _session(spec.name, threads))
-        gc.collect()  # the sessions' weights go before the next engine loads
+        with _phase(peaks, f"logits {spec.name}"):
+            # the caller drops it before asking for the next
+            yield key, spec.engine(spec, manifest, _session(spec.name, threads))
+            gc.collect()  # the sessions' weights go before the next engine loads
 
 
-def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dict:
+def logits_parity(model, tokenizer, export_dir: Path, sentences, threads, peaks: PhasePeaks | None = None) -> dict:
     """`model`: the PyTorch model, or a function that loads it; loaded here, it is released once its
     reference logits are computed, so no ORT engine loads beside it."""
-    if callable(model) and not isinstance(model, torch.nn.Module):
-        model = model()
-    config = model.config
-    cases = build_cases(tokenizer, sentences, config)
-    references = [_torch_reference(model, case) for case in cases]  # (b, t, V) logits: tens of MB
-    del model
-    gc.collect()
+    with _phase(peaks, "logits pytorch"):
+        if callable(model) and not isinstance(model, torch.nn.Module):
+            model = model()
+        config = model.config
+        cases = build_cases(tokenizer, sentences, config)
+        references = [_torch_reference(model, case) for case in cases]  # (b, t, V) logits: tens of MB
+        del model
+        gc.collect()
     results = [
         {
             "case": case.name,
@@ -178,7 +187,7 @@ def logits_parity(model, tokenizer, export_dir: Path, sentences, threads) -> dic
         }
         for case in cases
     ]
-    for name, step_model in _step_models(export_dir, threads):
+    for name, step_model in _step_models(export_dir, threads, peaks):
         for case, (ref_logits, ref_hidden), entry in zip(cases, references, results):
             logits = _stepped_logits(step_model, case)
             entry["max_abs_logit_diff"][name] = _masked_max_abs(logits, ref_logits)
@@ -194,10 +203,10 @@ class _OneAtATime(Mapping):
     """The export's backends as `parity_report` reads them (membership, then `items()` in order),
     each loaded when its turn comes and closed before the next one loads."""
 
-    def __init__(self, export_dir: Path, threads):
+    def __init__(self, export_dir: Path, threads, peaks: PhasePeaks | None = None, label: str = "greedy"):
         from backends import load_manifest, runnable_backends
 
-        self.export_dir, self.threads = export_dir, threads
+        self.export_dir, self.threads, self.peaks, self.label = export_dir, threads, peaks, label
         self.names = runnable_backends(load_manifest(export_dir))
 
     def __contains__(self, name) -> bool:
@@ -216,27 +225,29 @@ class _OneAtATime(Mapping):
         from backends import load_backends
 
         for name in self.names:
-            backend = load_backends(self.export_dir, (name,), session=_session(name, self.threads))[name]
-            try:
-                yield name, backend
-            finally:
-                backend.close()
-                del backend
-                gc.collect()
+            with _phase(self.peaks, f"{self.label} {name}"):
+                backend = load_backends(self.export_dir, (name,), session=_session(name, self.threads))[name]
+                try:
+                    yield name, backend
+                finally:
+                    backend.close()
+                    del backend
+                    gc.collect()
 
 
-def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads, **decode) -> dict:
+def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads,
+                  peaks: PhasePeaks | None = None, label: str = "greedy", **decode) -> dict:
     """Ids and text through the real backends (one batch), the reference being the PyTorch one.
 
     `decode`: further options for `Backend.translate`; none given, the export's defaults apply.
     """
     from backends.divergence import parity_report
 
-    backends = _OneAtATime(export_dir, threads)
+    backends = _OneAtATime(export_dir, threads, peaks, label)
     return parity_report(backends, sentences, REFERENCE, max_new_tokens=max_new_tokens, **decode)
 
 
-def low_precision_finite(export_dir: Path, calibration, threads) -> dict[str, dict | None]:
+def low_precision_finite(export_dir: Path, calibration, threads, peaks: PhasePeaks | None = None) -> dict[str, dict | None]:
     """Per approximate backend: the first value its graphs compute as NaN or Inf on the calibration
     text (the node, its op and module, where), or None when every value stays finite."""
     from backends import load_manifest
@@ -249,7 +260,8 @@ def low_precision_finite(export_dir: Path, calibration, threads) -> dict[str, di
         if spec.exact:
             continue
         encoder, decoder = (manifest.verify_graph(g) for g in spec.graphs)
-        measured = measure(encoder, decoder, calibration, threads)
+        with _phase(peaks, f"finite {spec.name}"):
+            measured = measure(encoder, decoder, calibration, threads)
         found[spec.name] = next(({"graph": Path(p).name, **r.first_nonfinite} for p, r in
                                  ((encoder, measured["encoder"]), (decoder, measured["decoder"]))
                                  if r.first_nonfinite), None)
@@ -298,7 +310,8 @@ def decoding_label(report: dict | None) -> str:
     return "" if report is None else f"beam {report['options']['num_beams']}"
 
 
-def model_decoding_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads) -> dict | None:
+def model_decoding_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads,
+                          peaks: PhasePeaks | None = None) -> dict | None:
     """The same check with the model's own decoding (its generation config: beams, repetition
     control, ...), which is what its users run; None when that decoding is greedy (checked above)."""
     from backends import load_manifest
@@ -306,7 +319,8 @@ def model_decoding_parity(export_dir: Path, sentences: list[str], max_new_tokens
     generation = load_manifest(export_dir).generation
     if generation.num_beams == 1:
         return None
-    report = greedy_parity(export_dir, sentences, max_new_tokens, threads)  # no options: the sidecar's
+    # no options: the sidecar's
+    report = greedy_parity(export_dir, sentences, max_new_tokens, threads, peaks, f"beam {generation.num_beams}")
     options = {
         k: getattr(generation, k)
         for k in ("num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size", "repetition_penalty")
@@ -319,14 +333,15 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
     (or a function that loads it, so it is held only while its reference logits are computed);
     `calibration` (export/ranges.py): the text the low-precision graphs must stay finite on."""
     start = time.perf_counter()
-    nonfinite = None if calibration is None else low_precision_finite(export_dir, calibration, threads)
-    finite_s = time.perf_counter() - start
-    logits = logits_parity(model, tokenizer, export_dir, sentences, threads)
-    logits_s = time.perf_counter() - start
-    # Greedy pins the graphs' step-by-step numbers; the model's own decoding (beam search with a
-    # cache reordered every step, when its generation config asks for it) is what users get.
-    greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads, num_beams=1)
-    own = model_decoding_parity(export_dir, greedy_sentences, max_new_tokens, threads)
+    with PhasePeaks() as peaks:
+        nonfinite = None if calibration is None else low_precision_finite(export_dir, calibration, threads, peaks)
+        finite_s = time.perf_counter() - start
+        logits = logits_parity(model, tokenizer, export_dir, sentences, threads, peaks)
+        logits_s = time.perf_counter() - start
+        # Greedy pins the graphs' step-by-step numbers; the model's own decoding (beam search with a
+        # cache reordered every step, when its generation config asks for it) is what users get.
+        greedy = greedy_parity(export_dir, greedy_sentences, max_new_tokens, threads, peaks, num_beams=1)
+        own = model_decoding_parity(export_dir, greedy_sentences, max_new_tokens, threads, peaks)
     failures = judge(logits, greedy, own)
     fp32_passed = not failures
     failures += low_precision_failures(logits, nonfinite)
@@ -344,6 +359,7 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
     return {
         "fp32_tolerance": FP32_LOGITS_TOLERANCE,
         "low_memory_backends": list(LOW_MEMORY_BACKENDS),
+        "peak_rss_mb": peaks.rounded(),  # per phase, in the order they ran
         "fp32_passed": fp32_passed,
         "passed": not failures,
         "failures": failures,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
+from contextlib import contextmanager
 
 
 def rss_mb() -> float:
@@ -44,3 +46,54 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # bytes on macOS
+
+
+class PhasePeaks:
+    """Peak RSS of each named phase inside one step, MB, sampled by a thread every `interval` s.
+
+    Sampled rather than read from VmHWM, so the step around it keeps its own high-water mark; an
+    allocation that lives for less than one interval can be missed, a gigabyte of weights cannot.
+    Phases nest: a sample counts for every phase open at the time."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval = interval
+        self.peaks: dict[str, float] = {}
+        self._open: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        now = rss_mb()
+        with self._lock:
+            for name in self._open:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), now)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "PhasePeaks":
+        self._thread = threading.Thread(target=self._loop, name="phase-peaks", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @contextmanager
+    def phase(self, name: str):
+        """Attribute the samples taken until the block ends to `name` (its start and end included)."""
+        with self._lock:
+            self._open.append(name)
+        self._sample()
+        try:
+            yield
+        finally:
+            self._sample()
+            with self._lock:
+                self._open.remove(name)
+
+    def rounded(self) -> dict[str, float]:
+        return {name: round(mb, 1) for name, mb in self.peaks.items()}

@@ -896,3 +896,16 @@ def test_a_workers_peak_rss_is_its_own_not_its_launchers():
     assert 5 < figures["peak"] < 200, figures  # a bare interpreter and numpy: tens of MB
     # What the old measurement read in the same child: the launcher's 800 MB (shows the test can fail).
     assert figures["ru_maxrss"] > 800, figures
+
+
+def test_a_sidecar_without_a_graph_leaves_its_backend_out_by_name(tiny_export_dir):
+    """An export whose sidecar lists no full graph (older, or edited) runs the other backends by
+    default, and the benchmarks name why the single-step one is not among them."""
+    from backends import load_manifest, runnable_backends
+
+    manifest = load_manifest(tiny_export_dir)
+    assert "ort_fp32_single_step" in runnable_backends(manifest)
+    del manifest.data["graphs"]["full"]
+    names, skipped = default_backends(manifest)
+    assert "ort_fp32_single_step" not in names and names[:2] == ["pytorch", "ort_fp32_kv_cache"]
+    assert skipped == {"ort_fp32_single_step": "it needs graph 'full', which is not in this export"}

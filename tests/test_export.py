@@ -65,6 +65,12 @@ def test_verification_covers_long_and_padded_inputs_within_tolerance(tiny_export
         assert greedy["backends"][name]["identical_ids"] == greedy["sentences"]
     assert 0 <= greedy["backends"]["ort_fp16"]["token_agreement"] <= 1
     assert result["int8"]["greedy"] == greedy["backends"]["ort_int8"]
+    # Each engine's check has its own peak RSS, in the order it ran: the PyTorch reference first.
+    phases = list(result["peak_rss_mb"])
+    engines = ("ort_fp32_single_step", "ort_fp32_kv_cache", "ort_fp16", "ort_int8")
+    assert phases[:2] == ["finite ort_fp16", "finite ort_int8"] and phases[2] == "logits pytorch"
+    assert {f"logits {n}" for n in engines} | {f"greedy {n}" for n in ("pytorch", *engines)} <= set(phases), phases
+    assert all(mb > 50 for mb in result["peak_rss_mb"].values()), result["peak_rss_mb"]
 
 
 def test_graphs_have_no_dropout_and_dynamic_axes(tiny_export_dir):
@@ -521,6 +527,7 @@ def test_an_export_may_leave_out_the_single_step_graph_and_says_so(tiny_model_di
     the sidecar names what was left out, verification checks the rest, and the single-step backend is
     refused by name while the others load."""
     from backends import memory_needs, runnable_backends, try_load_backends
+    from bench.data import default_backends
     from export.__main__ import main
 
     out = tmp_path / "kv-only"
@@ -536,6 +543,9 @@ def test_an_export_may_leave_out_the_single_step_graph_and_says_so(tiny_model_di
     assert set(verification["greedy"]["backends"]) == set(runnable_backends(manifest)) - {"pytorch"}
     assert "ort_fp32_single_step" not in runnable_backends(manifest) and "ort_int8" in runnable_backends(manifest)
     assert "ort_fp32_single_step" not in memory_needs(out)
+    names, skipped = default_backends(manifest)  # what the benchmarks run by default
+    assert names == list(runnable_backends(manifest)) and list(skipped) == ["ort_fp32_single_step"]
+    assert "left out at export (--no-single-step)" in skipped["ort_fp32_single_step"]
     with pytest.raises(ManifestError, match="left out at export"):
         manifest.graph("full")
     loaded, failed = try_load_backends(out, ("ort_fp32_single_step", "ort_fp32_kv_cache"))

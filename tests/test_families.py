@@ -447,6 +447,30 @@ def test_each_export_step_records_its_own_peak_rss():
     assert steps.start_rss_mb["after"] < peak["big"] - 200  # the block was freed and handed back
 
 
+def test_phase_peaks_attribute_each_sample_to_the_phases_open_then():
+    """Verification's per-engine figures: a phase that held 256 MiB reads that much above its
+    neighbours, the enclosing phase sees it too, and the step's own VmHWM is not reset by it."""
+    import time
+
+    from runtime.memory import PhasePeaks, peak_rss_mb
+
+    with PhasePeaks(interval=0.005) as peaks:
+        with peaks.phase("outer"):
+            with peaks.phase("small"):
+                time.sleep(0.05)
+            with peaks.phase("big"):
+                block = bytearray(256 * 2**20)
+                block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page
+                time.sleep(0.05)
+                del block
+            with peaks.phase("after"):
+                time.sleep(0.05)
+    p = peaks.rounded()
+    assert list(p) == ["outer", "small", "big", "after"], p
+    assert p["big"] - p["small"] > 200 and p["big"] - p["after"] > 200 and p["outer"] >= p["big"], p
+    assert peak_rss_mb() >= p["big"] - 5  # sampling never resets the high-water mark
+
+
 def test_the_sidecar_records_each_steps_peak_rss(external_export_dir):
     data = load_manifest(external_export_dir).data
     assert set(data["export_peak_rss_mb"]) == set(data["export_start_rss_mb"]) == set(data["export_seconds"])

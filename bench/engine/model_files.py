@@ -25,8 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from backends.manifest import MANIFEST_NAME, ManifestError, load_manifest, sha256_file
-
-from ..data import GRAPHS_OF
+from backends.registry import GRAPHS
 
 SOURCE_FILES = ("config.json", "generation_config.json")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -52,7 +51,7 @@ def shipment_files(export_dir: Path, names: list[str], external: dict[str, str] 
     files = {f"export/{MANIFEST_NAME}": Path(export_dir) / MANIFEST_NAME}
     listed = list(manifest.tokenizer_files)  # the sidecar's own list: Marian's spm files, NLLB's tokenizer.json, ...
     for name in names:
-        for graph in GRAPHS_OF.get(name, ()):
+        for graph in GRAPHS.get(name, ()):
             entry = manifest.graph(graph)
             listed += [entry["file"], *entry.get("external_data", [])]
     files.update({f"export/{f}": Path(export_dir) / f for f in dict.fromkeys(listed)})
