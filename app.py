@@ -127,12 +127,12 @@ def available_memory() -> int | None:
 def check_memory(export_dir: Path, names: tuple[str, ...], log=print) -> str | None:
     """Say what each chosen backend needs before loading it; the refusal message when they do not
     fit the memory available (None when they fit or it cannot be told)."""
-    from backends import memory_needs
+    from backends import SessionConfig, memory_needs
 
-    needs = memory_needs(export_dir, names)
+    needs = memory_needs(export_dir, names, cpu=SessionConfig().providers() == ["CPUExecutionProvider"])
     gb = 1e9
     for name, need in needs.items():
-        log(f"backend {name}: needs at least {need / gb:.2f} GB (its weights)", flush=True)
+        log(f"backend {name}: needs at least {need / gb:.2f} GB (its weights as it holds them)", flush=True)
     total, available = sum(needs.values()), available_memory()
     if available is not None and total > available:
         each = ", ".join(f"{n} {b / gb:.2f} GB" for n, b in needs.items())

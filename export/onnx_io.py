@@ -35,7 +35,11 @@ def data_file(path: Path) -> Path:
 
 def external_files(path: Path) -> list[str]:
     """The external data files a graph refers to (names relative to its folder), without loading them."""
-    model = onnx.load(str(path), load_external_data=False)
+    return external_locations(onnx.load(str(path), load_external_data=False))
+
+
+def external_locations(model: onnx.ModelProto) -> list[str]:
+    """The external data files a loaded structure refers to, in first-use order."""
     found = []
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -43,6 +47,28 @@ def external_files(path: Path) -> list[str]:
             if location and location not in found:
                 found.append(location)
     return found
+
+
+def initializer_bytes(model: onnx.ModelProto) -> dict[str, int]:
+    """Bytes of a graph's weights by element type ("float32", "float16", "int8", ...), from their
+    shapes: external tensors are not read."""
+    totals: dict[str, int] = {}
+    for tensor in model.graph.initializer:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        totals[dtype.name] = totals.get(dtype.name, 0) + int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
+    return totals
+
+
+def widened_fp16_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the fp16 weights that a node other than a Gather reads: ONNX Runtime's CPU kernels
+    compute those in fp32, so a CPU session holds an fp32 copy of each (twice these bytes) beside
+    them. A table only gathered from stays fp16."""
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * 2 for t in model.graph.initializer
+               if t.data_type == onnx.TensorProto.FLOAT16 and readers.get(t.name, {"Gather"}) - {"Gather"})
 
 
 def load_structure(path: Path) -> onnx.ModelProto:

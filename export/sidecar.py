@@ -20,7 +20,7 @@ from backends.manifest import (
 )
 
 from . import graphs, verify
-from .onnx_io import external_files
+from .onnx_io import external_locations, initializer_bytes, load_structure, widened_fp16_bytes
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
 
@@ -43,9 +43,8 @@ def versions() -> dict[str, str]:
     }
 
 
-def _no_dropout(path: Path) -> None:
-    ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
-    if "Dropout" in ops:
+def _no_dropout(path: Path, model: onnx.ModelProto) -> None:
+    if "Dropout" in {n.op_type for n in model.graph.node}:
         raise RuntimeError(f"{path.name} contains Dropout nodes: the model was not exported in eval mode")
 
 
@@ -74,10 +73,14 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path, left_out: di
     }
     entries = {name: entry for name, entry in entries.items() if name not in (left_out or {})}
     for entry in entries.values():
-        _no_dropout(folder / entry["file"])
-        data = external_files(folder / entry["file"])
+        model = load_structure(folder / entry["file"])
+        _no_dropout(folder / entry["file"], model)
+        data = external_locations(model)
         if data:
             entry["external_data"] = data
+        # What a runtime holds beyond the files: fp16 weights widened for fp32 kernels, for one.
+        entry["initializer_bytes"] = initializer_bytes(model)
+        entry["fp16_bytes_widened_on_cpu"] = widened_fp16_bytes(model)
     return entries
 
 

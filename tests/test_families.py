@@ -266,10 +266,35 @@ def test_ort_path_imports_no_torch(family_export_dir):
 
 def test_memory_needs_per_backend(family_export_dir):
     needs = memory_needs(family_export_dir)
-    files = load_manifest(family_export_dir).data["files"]
+    manifest = load_manifest(family_export_dir)
+    files = manifest.data["files"]
     assert needs["ort_fp32_kv_cache"] == files["encoder.onnx"]["bytes"] + files["decoder.onnx"]["bytes"]
     assert 0 < needs["ort_int8"] < needs["ort_fp32_kv_cache"]
     assert needs["pytorch"] > 0
+    # fp16 on the CPU: the files, plus the fp32 copy ORT makes of each fp16 weight at load.
+    fp16_files = files["encoder_fp16.onnx"]["bytes"] + files["decoder_fp16.onnx"]["bytes"]
+    halves = sum(manifest.graph(g)["initializer_bytes"]["float16"] for g in ("encoder_fp16", "decoder_fp16"))
+    widened = sum(manifest.graph(g)["fp16_bytes_widened_on_cpu"] for g in ("encoder_fp16", "decoder_fp16"))
+    assert 0.5 * fp16_files < halves < fp16_files  # the rest is the graph itself, large beside tiny weights
+    assert 0.5 * halves < widened < halves  # the encoder's table is only gathered
+    assert manifest.graph("decoder")["fp16_bytes_widened_on_cpu"] == 0
+    assert needs["ort_fp16"] == fp16_files + 2 * widened
+    assert memory_needs(family_export_dir, ("ort_fp16",), cpu=False)["ort_fp16"] == fp16_files
+
+
+def test_the_app_refuses_backends_that_would_not_fit_naming_each_need(family_export_dir, monkeypatch):
+    """The fp16 backend's widened weights count: a machine with room for its files alone, but not
+    for their fp32 copies, is refused with every figure."""
+    import app
+
+    needs = memory_needs(family_export_dir, ("pytorch", "ort_fp16"))
+    manifest = load_manifest(family_export_dir)
+    fp16_files = sum(manifest.data["files"][f"{g}.onnx"]["bytes"] for g in ("encoder_fp16", "decoder_fp16"))
+    monkeypatch.setattr(app, "available_memory", lambda: needs["pytorch"] + fp16_files + 1)
+    refusal = app.check_memory(family_export_dir, ("pytorch", "ort_fp16"), log=lambda *a, **k: None)
+    assert refusal and f"ort_fp16 {needs['ort_fp16'] / 1e9:.2f} GB" in refusal and "--backends" in refusal
+    monkeypatch.setattr(app, "available_memory", lambda: sum(needs.values()) + 1)
+    assert app.check_memory(family_export_dir, ("pytorch", "ort_fp16"), log=lambda *a, **k: None) is None
 
 
 # --- bad sources, refused at export ---------------------------------------------------------------
