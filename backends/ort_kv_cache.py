@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from runtime.memory import release_freed_memory
+
 from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
@@ -43,14 +45,21 @@ def _value(array: np.ndarray) -> ort.OrtValue:
 class KVCacheStepModel:
     def __init__(self, manifest, config: SessionConfig, encoder: str = "encoder", decoder: str = "decoder", tables=None):
         enc_path, dec_path = manifest.verify_graph(encoder), manifest.verify_graph(decoder)
-        self.encoder = create_session(enc_path, config, tables=tables)
+        self._paths, self._tables = {"encoder": enc_path, "decoder": dec_path}, tables
+        # low_memory: one graph of the pair open at a time. `encode` closes the decoder and opens
+        # the encoder, the next `step` the other way round: a caller that encodes every batch
+        # before stepping (the export's verification) never holds both sets of weights.
+        self._one_graph = config.low_memory
         self.decoder = create_session(dec_path, config, tables=tables)
+        self.encoder = None if self._one_graph else create_session(enc_path, config, tables=tables)
         model = manifest.data["model"]
         self.layers = model["decoder_layers"]
         self.heads = model["decoder_attention_heads"]
         self.head_dim = model.get("head_dim") or model["d_model"] // self.heads
-        self.cross_names = [o.name for o in self.encoder.get_outputs()][1:]
-        self.past_names = [i.name for i in self.decoder.get_inputs() if i.name.startswith("past.")]
+        names = [i.name for i in self.decoder.get_inputs()]
+        # The encoder's outputs after its hidden states, in its order, are the decoder's cross inputs.
+        self.cross_names = [n for n in names if n not in ("input_ids", "encoder_attention_mask") and not n.startswith("past.")]
+        self.past_names = [n for n in names if n.startswith("past.")]
         self.present_names = [o.name for o in self.decoder.get_outputs() if o.name.startswith("present.")]
         past_type = {i.name: i.type for i in self.decoder.get_inputs()}[self.past_names[0]]
         self.cache_dtype = _NP_TYPES[past_type]
@@ -64,11 +73,33 @@ class KVCacheStepModel:
         kept = manifest.kept_in_float(precision)
         if kept:
             self.info["kept_in_float"] = kept
+        if self.encoder is not None:
+            self._check_cross(self.encoder)
+
+    def open_graph(self, graph: str) -> ort.InferenceSession:
+        """The session of `graph` ("encoder" or "decoder"); with one graph at a time, the other
+        one is closed first."""
+        session = getattr(self, graph)
+        if session is None:
+            other = "decoder" if graph == "encoder" else "encoder"
+            setattr(self, other, None)
+            release_freed_memory()  # the other graph's weights go before these load
+            session = create_session(self._paths[graph], self._config, tables=self._tables)
+            setattr(self, graph, session)
+            if graph == "encoder":
+                self._check_cross(session)
+        return session
+
+    def _check_cross(self, encoder: ort.InferenceSession) -> None:
+        outputs = [o.name for o in encoder.get_outputs()][1:]
+        if sorted(outputs) != sorted(self.cross_names):
+            raise RuntimeError(f"{self._paths['encoder'].name} returns {', '.join(outputs)}; "
+                               f"{self._paths['decoder'].name} takes {', '.join(self.cross_names)}")
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> _State:
         mask_array = np.ascontiguousarray(attention_mask)
         mask = _value(mask_array)
-        cross = self.encoder.run_with_ort_values(self.cross_names, {"input_ids": _value(input_ids), "attention_mask": mask})
+        cross = self.open_graph("encoder").run_with_ort_values(self.cross_names, {"input_ids": _value(input_ids), "attention_mask": mask})
         return _State(mask, list(cross), self._empty_past(input_ids.shape[0]), mask_array)
 
     def _empty_past(self, rows: int) -> list[ort.OrtValue]:
@@ -111,6 +142,6 @@ class KVCacheStepModel:
         feeds = {"input_ids": _value(decoder_ids[:, -1:]), "encoder_attention_mask": state.attention_mask}  # (b, 1)
         feeds.update(zip(self.cross_names, state.cross))
         feeds.update(zip(self.past_names, state.past))
-        logits, *present = self.decoder.run_with_ort_values(self.outputs, feeds)
+        logits, *present = self.open_graph("decoder").run_with_ort_values(self.outputs, feeds)
         state.past = present  # (b, h, p + 1, d) each, handed to the next step as they are
         return logits.numpy()[:, -1, :]  # (b, V) float32, a view of ORT's buffer

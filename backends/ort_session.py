@@ -31,9 +31,10 @@ class SessionConfig:
     # Load for the least memory rather than the most speed: MatMul weights are not pre-packed (a
     # packed copy sits beside any weight that a Gather also reads, such as a tied output table),
     # nodes run in the graph's own order so values are freed as soon as their readers have run,
-    # and `load_backends` leaves each session its own memory-mapped tables instead of copies
-    # shared between backends. fp32 numbers move by rounding only; int8's unpacked kernels compute
-    # different numbers (docs/export.md).
+    # `load_backends` leaves each session its own memory-mapped tables instead of copies shared
+    # between backends, and a KV engine holds one graph of its pair at a time (reopening the other
+    # when its turn comes: slow if encodes and steps alternate). fp32 numbers move by rounding
+    # only; int8's unpacked kernels compute different numbers (docs/export.md).
     low_memory: bool = False
 
     def __post_init__(self):

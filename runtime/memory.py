@@ -97,3 +97,18 @@ class PhasePeaks:
 
     def rounded(self) -> dict[str, float]:
         return {name: round(mb, 1) for name, mb in self.peaks.items()}
+
+
+def release_freed_memory() -> bool:
+    """Collect garbage, then hand the C heap's free pages back to the system (glibc's
+    `malloc_trim`): after a model is released, malloc keeps much of what it held on its free
+    lists, resident, and every later peak counts it. False where there is no glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))

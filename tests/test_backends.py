@@ -394,10 +394,18 @@ def test_low_memory_sessions_hold_a_tied_table_once_and_compute_the_same_fp32_nu
     names = ("pytorch", "ort_fp32_single_step", "ort_fp32_kv_cache")
     lean = load_backends(tiny_export_dir, names, session=low)
     usual = load_backends(tiny_export_dir, names, session=SessionConfig(threads=1, provider="cpu"))
-    assert not lean["ort_fp32_kv_cache"].model.encoder._shared_initializers
-    assert usual["ort_fp32_kv_cache"].model.encoder._shared_initializers  # the control
+    assert not lean["ort_fp32_kv_cache"].model.decoder._shared_initializers
+    assert usual["ort_fp32_kv_cache"].model.decoder._shared_initializers  # the control
     ids = np.array([[5, 9, 13, 2, 0]], np.int64)
     start = np.full((1, 1), load_manifest(tiny_export_dir).special.decoder_start, np.int64)
+    # A lean KV engine holds one graph of its pair at a time: encoding closes the decoder, a step the encoder.
+    kv = lean["ort_fp32_kv_cache"].model
+    assert kv.encoder is None and kv.decoder is not None
+    state = kv.encode(ids, np.ones_like(ids))
+    assert kv.decoder is None and kv.encoder is not None
+    kv.step(state, start)
+    assert kv.encoder is None and kv.decoder is not None
+    assert usual["ort_fp32_kv_cache"].model.encoder is not None  # the control keeps both
     for name in names[1:]:
         a, b = (m[name].model for m in (lean, usual))
         np.testing.assert_allclose(a.step(a.encode(ids, np.ones_like(ids)), start),
