@@ -205,7 +205,10 @@ def write(folder: Path, data: dict, family) -> None:
 
 
 def summarize(result: dict) -> str:
-    lines = [f"verification: fp32 {'PASSED' if result['fp32_passed'] else 'FAILED'} (tolerance {result['fp32_tolerance']:g})"]
+    spread = result.get("pytorch_spread")
+    spread = "" if spread is None else f"; PyTorch's own spread {spread:.3g}"
+    lines = [f"verification: fp32 {'PASSED' if result['fp32_passed'] else 'FAILED'} "
+             f"(tolerance {result['fp32_tolerance']:.3g}{spread})"]
     lines += [f"  FAILED: {f}" for f in result["failures"]]
     for case in result["logits"]:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in case["max_abs_logit_diff"].items())

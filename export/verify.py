@@ -15,14 +15,14 @@ Memory: one engine at a time. Each engine (and each backend) is loaded when its 
 released before the next one loads, next to the PyTorch model and its reference logits: at the
 larger families' sizes, every engine at once would not fit beside them. The fp32 and fp16 engines
 load with `SessionConfig.low_memory` (no pre-packed copy of the weights, tables mapped from their
-files); int8 loads as the app loads it, since its unpacked kernels compute other numbers. The
+files, a KV pair's encoder and decoder open one after the other: every case is encoded before the
+first step); int8 loads as the app loads it, since its unpacked kernels compute other numbers. The
 report names the engines checked that way, and the peak resident memory of each phase (which
 engine, which check), sampled as it runs.
 """
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
@@ -37,9 +37,13 @@ from backends.base import StepModel
 from backends.registry import BACKENDS
 from corpus import DEV_TSV, read_sentences
 from families import shape_of
-from runtime.memory import PhasePeaks
+from runtime.memory import PhasePeaks, release_freed_memory
 
 FP32_LOGITS_TOLERANCE = 1e-4
+# fp32 passes within the larger of the fixed tolerance and this many times PyTorch's own spread: the
+# same sentence's logits alone and inside a padded batch, two equally valid fp32 evaluations. Large
+# logits (hundreds, as a random 3B output layer gives) differ from themselves by more than 1e-4.
+SPREAD_FACTOR = 2.0
 # Each ORT engine's key in the logits report; the approximate ones are reported, not required to match.
 ENGINES = {spec.logits_key: spec for spec in BACKENDS.values() if spec.engine is not None}
 APPROXIMATE_KEYS = tuple(key for key, spec in ENGINES.items() if not spec.exact)
@@ -87,12 +91,27 @@ def build_cases(tokenizer, sentences: list[str], config, decoder_len: int = 12) 
         dec[:, 0] = config.decoder_start_token_id
         return Case(name, ids, mask, dec)
 
-    return [
-        make(f"source {len(short)} tokens", [short]),
-        make("source 64 tokens", [row(64)]),
-        make(f"source {long_len} tokens", [row(long_len)]),
-        make(f"padded batch of 3 (sources {len(short)}, 300, 64)", [short, row(300), row(64)]),
-    ]
+    alone = make(f"source {len(short)} tokens", [short])
+    batch = make(f"padded batch of 3 (sources {len(short)}, 300, 64)", [short, row(300), row(64)])
+    batch.decoder_ids[0] = alone.decoder_ids[0]  # the same row twice: PyTorch's own spread (`pytorch_spread`)
+    return [alone, make("source 64 tokens", [row(64)]), make(f"source {long_len} tokens", [row(long_len)]), batch]
+
+
+def pytorch_spread(cases: list[Case], references: list) -> float:
+    """max |Δlogit| between PyTorch's logits for the first case's row alone and the same row in the
+    padded batch (`build_cases` gives them the same source and decoder ids): what fp32 rounding
+    alone moves, the floor no other runtime can be asked to beat."""
+    alone, batch = cases[0], cases[-1]
+    n = alone.input_ids.shape[1]
+    if not (np.array_equal(alone.decoder_ids[0], batch.decoder_ids[0])
+            and np.array_equal(alone.input_ids[0], batch.input_ids[0, :n])):
+        raise ValueError("the padded batch's first row must repeat the first case")
+    (alone_logits, _), (batch_logits, _) = references[0], references[-1]  # (b, t, V) each
+    return _masked_max_abs(alone_logits[0], batch_logits[0])
+
+
+def fp32_tolerance(spread: float) -> float:
+    return max(FP32_LOGITS_TOLERANCE, SPREAD_FACTOR * spread)
 
 
 def _torch_reference(model, case: Case) -> tuple[np.ndarray, np.ndarray]:
@@ -110,16 +129,16 @@ def _torch_reference(model, case: Case) -> tuple[np.ndarray, np.ndarray]:
 def _encoder_hidden(step_model, case: Case) -> np.ndarray:
     """The encoder graph's hidden states (b, s, D): its first output, which decoding never fetches."""
     feeds = {"input_ids": case.input_ids, "attention_mask": case.attention_mask}
-    (hidden,) = step_model.encoder.run(["encoder_hidden_states"], feeds)
+    (hidden,) = step_model.open_graph("encoder").run(["encoder_hidden_states"], feeds)
     return hidden
 
 
-def _stepped_logits(step_model: StepModel, case: Case) -> np.ndarray:
-    """Teacher-forced logits (b, t, V): `encode` once, then one `step` per prefix of the decoder ids."""
-    state = step_model.encode(case.input_ids, case.attention_mask)
+def _stepped_logits(step_model: StepModel, state, decoder_ids: np.ndarray) -> np.ndarray:
+    """Teacher-forced logits (b, t, V): one `step` per prefix of the decoder ids, from `state` as
+    `encode` returned it."""
     logits = []
-    for t in range(1, case.decoder_ids.shape[1] + 1):
-        prefix = np.ascontiguousarray(case.decoder_ids[:, :t])  # (b, t), as the loop feeds it
+    for t in range(1, decoder_ids.shape[1] + 1):
+        prefix = np.ascontiguousarray(decoder_ids[:, :t])  # (b, t), as the loop feeds it
         # A copy: `step` may return a view of the engine's buffer, which the next step reuses.
         logits.append(np.array(step_model.step(state, prefix)))  # (b, V)
     return np.stack(logits, axis=1)
@@ -161,7 +180,7 @@ def _step_models(export_dir: Path, threads, peaks: PhasePeaks | None = None) -> 
         with _phase(peaks, f"logits {spec.name}"):
             # the caller drops it before asking for the next
             yield key, spec.engine(spec, manifest, _session(spec.name, threads))
-            gc.collect()  # the sessions' weights go before the next engine loads
+            release_freed_memory()  # the sessions' weights go before the next engine loads
 
 
 def logits_parity(model, tokenizer, export_dir: Path, sentences, threads, peaks: PhasePeaks | None = None) -> dict:
@@ -173,8 +192,9 @@ def logits_parity(model, tokenizer, export_dir: Path, sentences, threads, peaks:
         config = model.config
         cases = build_cases(tokenizer, sentences, config)
         references = [_torch_reference(model, case) for case in cases]  # (b, t, V) logits: tens of MB
+        spread = pytorch_spread(cases, references)
         del model
-        gc.collect()
+        release_freed_memory()
     results = [
         {
             "case": case.name,
@@ -188,15 +208,19 @@ def logits_parity(model, tokenizer, export_dir: Path, sentences, threads, peaks:
         for case in cases
     ]
     for name, step_model in _step_models(export_dir, threads, peaks):
-        for case, (ref_logits, ref_hidden), entry in zip(cases, references, results):
-            logits = _stepped_logits(step_model, case)
+        # Every case encoded before any step: a low-memory KV engine then holds its encoder's
+        # weights and its decoder's one after the other, never together.
+        kv = hasattr(step_model, "open_graph")  # the full graph has no encoder of its own
+        encoded = [(step_model.encode(case.input_ids, case.attention_mask), _encoder_hidden(step_model, case) if kv else None)
+                   for case in cases]
+        for case, (state, hidden), (ref_logits, ref_hidden), entry in zip(cases, encoded, references, results):
+            logits = _stepped_logits(step_model, state, case.decoder_ids)
             entry["max_abs_logit_diff"][name] = _masked_max_abs(logits, ref_logits)
             entry["argmax_agreement"][name] = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
-            if hasattr(step_model, "encoder"):  # the full graph has no encoder of its own
-                hidden = _encoder_hidden(step_model, case)
+            if hidden is not None:
                 entry["max_abs_encoder_hidden_diff"][name] = _masked_max_abs(hidden, ref_hidden, case.attention_mask)
-        del step_model  # the last reference: the generator frees the engine before building the next
-    return {"cases": results}
+        del step_model, encoded  # the last references: the generator frees the engine before building the next
+    return {"cases": results, "pytorch_spread": spread}
 
 
 class _OneAtATime(Mapping):
@@ -232,7 +256,7 @@ class _OneAtATime(Mapping):
                 finally:
                     backend.close()
                     del backend
-                    gc.collect()
+                    release_freed_memory()
 
 
 def greedy_parity(export_dir: Path, sentences: list[str], max_new_tokens: int, threads,
@@ -289,10 +313,13 @@ def low_precision_failures(logits: dict, nonfinite: dict[str, dict | None] | Non
 def judge(logits: dict, greedy: dict | None, model_decoding: dict | None = None) -> list[str]:
     """Every fp32 failure, with its numbers; an empty list means the export passes."""
     failures = []
+    spread = logits.get("pytorch_spread", 0.0)
+    tolerance = fp32_tolerance(spread)
+    why = f" (PyTorch's own spread {spread:.3g})" if tolerance > FP32_LOGITS_TOLERANCE else ""
     for case in logits["cases"]:
         for name, diff in case["max_abs_logit_diff"].items():
-            if name not in APPROXIMATE_KEYS and not diff <= FP32_LOGITS_TOLERANCE:
-                failures.append(f"{name}, {case['case']}: max |Δlogit| {diff:.3g} > {FP32_LOGITS_TOLERANCE:g}")
+            if name not in APPROXIMATE_KEYS and not diff <= tolerance:
+                failures.append(f"{name}, {case['case']}: max |Δlogit| {diff:.3g} > {tolerance:.3g}{why}")
     for label, report in (("greedy", greedy), (decoding_label(model_decoding), model_decoding)):
         if report is None:
             continue
@@ -357,7 +384,8 @@ def run(model, tokenizer, export_dir: Path, sentences, greedy_sentences, max_new
         if not spec.exact
     }
     return {
-        "fp32_tolerance": FP32_LOGITS_TOLERANCE,
+        "fp32_tolerance": fp32_tolerance(logits["pytorch_spread"]),
+        "pytorch_spread": logits["pytorch_spread"],
         "low_memory_backends": list(LOW_MEMORY_BACKENDS),
         "peak_rss_mb": peaks.rounded(),  # per phase, in the order they ran
         "fp32_passed": fp32_passed,
