@@ -104,9 +104,10 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES,
     """Bytes each named backend is expected to hold once loaded: its weights as stored on disk
     (graph files with their external data; the source model's weights for pytorch) and, on the
     CPU, the fp32 copy ORT makes of each fp16 weight that is not only gathered from (its CPU
-    kernels compute in fp32), as the sidecar counts them. A floor, not a ceiling: activations, ORT's packed weight copies and the
-    KV caches come on top (peak RSS against these figures is measured in docs/export.md). A
-    backend whose graphs the export left out is not counted: it will not load."""
+    kernels compute in fp32), less the fp16 originals that copy replaces, as the sidecar counts
+    them. A floor, not a ceiling: activations, ORT's packed weight copies and the KV caches come
+    on top (peak RSS against these figures is measured in docs/export.md). A backend whose graphs
+    the export left out is not counted: it will not load."""
     _check_names(names)
     manifest = load_manifest(export_dir)
     files = manifest.data["files"]
@@ -122,8 +123,8 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES,
         for graph in GRAPHS[name]:
             entry = manifest.graph(graph)
             total += sum(files[f]["bytes"] for f in [entry["file"], *entry.get("external_data", [])] if f in files)
-            if cpu:
-                total += 2 * entry.get("fp16_bytes_widened_on_cpu", 0)
+            if cpu:  # an older sidecar without the replaced bytes: the files and the copies, both
+                total += 2 * entry.get("fp16_bytes_widened_on_cpu", 0) - entry.get("fp16_bytes_replaced_on_cpu", 0)
         needs[name] = total
     return needs
 

@@ -59,16 +59,28 @@ def initializer_bytes(model: onnx.ModelProto) -> dict[str, int]:
     return totals
 
 
-def widened_fp16_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the fp16 weights that a node other than a Gather reads: ONNX Runtime's CPU kernels
-    compute those in fp32, so a CPU session holds an fp32 copy of each (twice these bytes) beside
-    them. A table only gathered from stays fp16."""
+def _fp16_readers(model: onnx.ModelProto) -> list[tuple[int, set[str]]]:
+    """(bytes, op types reading it) of each fp16 weight."""
     readers: dict[str, set[str]] = {}
     for node in model.graph.node:
         for name in node.input:
             readers.setdefault(name, set()).add(node.op_type)
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * 2 for t in model.graph.initializer
-               if t.data_type == onnx.TensorProto.FLOAT16 and readers.get(t.name, {"Gather"}) - {"Gather"})
+    return [(int(np.prod(t.dims, dtype=np.int64)) * 2, readers.get(t.name, set()))
+            for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+
+
+def widened_fp16_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the fp16 weights that a node other than a Gather reads: ONNX Runtime's CPU kernels
+    compute those in fp32, so a CPU session holds an fp32 copy of each (twice these bytes). A table
+    only gathered from stays fp16."""
+    return sum(size for size, ops in _fp16_readers(model) if ops - {"Gather"})
+
+
+def replaced_fp16_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the fp16 weights that only such nodes read: once ORT has folded their widening
+    Cast, nothing needs the fp16 original and the session drops it. A tied table, also gathered
+    from, is held twice: fp16 for the Gather, fp32 for the MatMul."""
+    return sum(size for size, ops in _fp16_readers(model) if ops and "Gather" not in ops)
 
 
 def load_structure(path: Path) -> onnx.ModelProto:

@@ -20,7 +20,7 @@ from backends.manifest import (
 )
 
 from . import graphs, verify
-from .onnx_io import external_locations, initializer_bytes, load_structure, widened_fp16_bytes
+from .onnx_io import external_locations, initializer_bytes, load_structure, replaced_fp16_bytes, widened_fp16_bytes
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
 
@@ -81,6 +81,7 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path, left_out: di
         # What a runtime holds beyond the files: fp16 weights widened for fp32 kernels, for one.
         entry["initializer_bytes"] = initializer_bytes(model)
         entry["fp16_bytes_widened_on_cpu"] = widened_fp16_bytes(model)
+        entry["fp16_bytes_replaced_on_cpu"] = replaced_fp16_bytes(model)
     return entries
 
 
