@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.memory import reset_peak_rss
+from runtime.memory import release_freed_memory, reset_peak_rss
 
 from . import fp16, fp16_guard, graphs, int8_choice, quantize, ranges, rewrite, sidecar, verify
 from .fp16_guard import Fp16Keep
@@ -70,20 +70,6 @@ def _status_mb(field: str) -> float | None:
     return None
 
 
-def _release_freed_memory() -> None:
-    """Hand freed heap back to the system between steps. glibc keeps large freed blocks (a graph's
-    weights, once its mmap threshold has grown) in the process, so the next step would start on
-    gigabytes it no longer uses; malloc_trim returns them. A no-op where there is no glibc."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _release_weights(model) -> None:
     """Empty every parameter and buffer of `model` in place. torch.onnx.export's graph keeps the
     Parameter objects alive after the call, so dropping the model alone would not free its weights
@@ -119,7 +105,7 @@ class _Steps:
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
         peak = _status_mb("VmHWM") if reset else None
-        _release_freed_memory()
+        release_freed_memory()
         self.durations[title] = round(seconds, 2)
         self.peak_rss_mb[title] = peak
         began = self.start_rss_mb[title]

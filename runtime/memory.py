@@ -101,14 +101,13 @@ class PhasePeaks:
 
 def release_freed_memory() -> bool:
     """Collect garbage, then hand the C heap's free pages back to the system (glibc's
-    `malloc_trim`): after a model is released, malloc keeps much of what it held on its free
-    lists, resident, and every later peak counts it. False where there is no glibc."""
+    `malloc_trim`): after a model or a graph's weights are released, malloc keeps much of what it
+    held on its free lists, resident, and every later peak counts it. False where there is no glibc."""
     import ctypes
     import gc
 
     gc.collect()
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # no glibc, or one without malloc_trim
         return False
-    return bool(libc.malloc_trim(0))
