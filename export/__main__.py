@@ -9,6 +9,8 @@ from pathlib import Path
 
 from corpus import DEV_TSV
 from families import FAMILIES
+from runtime.memory import map_large_blocks
+
 from .fp16_guard import MODES as FP16_KEEP_MODES, Fp16Keep
 from .graphs import DEFAULT_OPSET, ExportError
 from .pipeline import ExportOptions, VerificationFailed, export
@@ -79,4 +81,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    map_large_blocks()  # a process of its own, judged by its peak (not in main(): callers in-process keep glibc's)
     raise SystemExit(main())

@@ -111,3 +111,28 @@ def release_freed_memory() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):  # no glibc, or one without malloc_trim
         return False
+
+
+_M_MMAP_THRESHOLD = -3  # <malloc.h>
+# Blocks at least this large get pages of their own, unmapped when freed: an activation or a slice
+# of weights, never the small objects that a mapping per block would slow down.
+MMAP_THRESHOLD = 2**20
+
+
+def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Give every C heap block of at least `threshold` bytes its own mapping, returned to the system
+    the moment it is freed; False where there is no glibc. For a one-shot process that holds a
+    model's weights and wants its peak near them (the export).
+
+    glibc maps large blocks alone at first, but raises its threshold to the largest block freed
+    (up to 32 MB), so after the first large tensor is freed the later ones come from the heap and
+    stay resident once freed: a step that allocates its activations in a different order each time
+    then peaks hundreds of MB above what it holds. A fixed threshold turns that adjustment off."""
+    import ctypes
+
+    if threshold < 1:
+        raise ValueError(f"threshold must be a positive number of bytes, got {threshold}")
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    except (OSError, AttributeError):  # no glibc
+        return False

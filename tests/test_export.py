@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -596,3 +600,38 @@ def test_an_export_may_leave_out_the_single_step_graph_and_says_so(tiny_model_di
     assert "left out at export (--no-single-step)" in failed["ort_fp32_single_step"]
     assert "this export runs: pytorch, ort_fp32_kv_cache" in failed["ort_fp32_single_step"]
     assert loaded["ort_fp32_kv_cache"].translate(["Hello."], max_new_tokens=8)[0]
+
+
+_HEAP_PROBE = """
+import ctypes, json, sys
+import runtime.memory as memory
+if sys.argv[1] == "fixed":
+    assert memory.map_large_blocks()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+mb = 2**20
+first = libc.malloc(16 * mb); libc.memset(first, 1, 16 * mb); libc.free(first)
+block = libc.malloc(8 * mb); libc.memset(block, 1, 8 * mb)
+after = libc.malloc(64)  # keeps the block off the heap's top, where free would trim it anyway
+held = memory.rss_mb()
+libc.free(block)
+print(json.dumps(held - memory.rss_mb()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "fixed"])
+def test_the_exports_process_returns_a_freed_large_block_at_once(mode):
+    """glibc raises its mmap threshold to the largest block freed, so the next large block comes from
+    the heap and stays resident when freed; `map_large_blocks` (called by `python -m export`) keeps
+    such blocks mapped alone. "dynamic" is glibc's default, which shows the probe can fail."""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True,
+                         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    returned_mb = json.loads(out.stdout)
+    if mode == "fixed":
+        assert returned_mb > 7, returned_mb  # the 8 MiB block left the process when freed
+    else:
+        assert returned_mb < 1, returned_mb
