@@ -105,9 +105,11 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES,
     (graph files with their external data; the source model's weights for pytorch) and, on the
     CPU, the fp32 copy ORT makes of each fp16 weight that is not only gathered from (its CPU
     kernels compute in fp32), less the fp16 originals that copy replaces, as the sidecar counts
-    them. A floor, not a ceiling: activations, ORT's packed weight copies and the KV caches come
-    on top (peak RSS against these figures is measured in docs/export.md). A backend whose graphs
-    the export left out is not counted: it will not load."""
+    them. An estimate, not a bound either way: activations, ORT's packed weight copies and the KV
+    caches come on top, while a weight file that is mapped rather than read becomes resident only
+    where a decode reads it, and a gathered table (an embedding) is read a few rows at a time
+    (peak RSS against these figures is measured in docs/export.md). A backend whose graphs the
+    export left out is not counted: it will not load."""
     _check_names(names)
     manifest = load_manifest(export_dir)
     files = manifest.data["files"]
