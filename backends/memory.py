@@ -16,27 +16,15 @@ Two glibc behaviours do it:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+from runtime.memory import glibc
 
 _M_ARENA_MAX = -8  # <malloc.h>
 ARENAS = 2  # the main arena plus one that every other thread shares
 
 
-@functools.cache
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
 def trim_heap() -> bool:
     """Trim where the C library can (glibc): True; False elsewhere (musl, macOS), nothing done."""
-    libc = _libc()
+    libc = glibc()
     if libc is None:
         return False
     libc.malloc_trim(0)  # 1 if pages went back, 0 if none were free: both fine
@@ -47,7 +35,7 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's malloc arenas for this process: True if set; False where there is no glibc."""
     if arenas < 1:
         raise ValueError(f"arenas must be at least 1, got {arenas}")
-    libc = _libc()
+    libc = glibc()
     if libc is None:
         return False
     if libc.mallopt(_M_ARENA_MAX, arenas) != 1:

@@ -1,11 +1,16 @@
-"""This process's resident memory: now, its peak, and restarting the peak.
+"""This process's resident memory: now, its peak, and restarting the peak; and glibc's heap controls.
 
 Stdlib only, below every layer: the exporter, the app's quick run and the benchmark's workers
-each report the memory of their own process with it.
+each report the memory of their own process with it, and the exporter and the app
+(`backends.memory`) reach glibc through `glibc()`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import gc
 import os
 import resource
 import threading
@@ -99,18 +104,25 @@ class PhasePeaks:
         return {name: round(mb, 1) for name, mb in self.peaks.items()}
 
 
+@functools.cache
+def glibc():
+    """The C library through ctypes where it is glibc (it has `malloc_trim` and `mallopt`), else None
+    (musl, macOS): the heap controls below, and the app's (`backends.memory`), are glibc's."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
 def release_freed_memory() -> bool:
     """Collect garbage, then hand the C heap's free pages back to the system (glibc's
     `malloc_trim`): after a model or a graph's weights are released, malloc keeps much of what it
     held on its free lists, resident, and every later peak counts it. False where there is no glibc."""
-    import ctypes
-    import gc
-
     gc.collect()
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):  # no glibc, or one without malloc_trim
-        return False
+    libc = glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -128,11 +140,7 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     (up to 32 MB), so after the first large tensor is freed the later ones come from the heap and
     stay resident once freed: a step that allocates its activations in a different order each time
     then peaks hundreds of MB above what it holds. A fixed threshold turns that adjustment off."""
-    import ctypes
-
     if threshold < 1:
         raise ValueError(f"threshold must be a positive number of bytes, got {threshold}")
-    try:
-        return ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold) == 1
-    except (OSError, AttributeError):  # no glibc
-        return False
+    libc = glibc()
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
