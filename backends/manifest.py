@@ -30,9 +30,13 @@ FORMAT = "marian-onnx-export"
 # 4: attention cores as ONNX Runtime's MultiHeadAttention (export/rewrite.fuse_attention)
 # 5: the decoder's cache appended inside MultiHeadAttention, q/k/v projections packed (export/rewrite.py)
 # 6: int8 weights in a 7-bit range (export/quantize.py), exact on CPUs without VNNI too
-FORMAT_VERSION = 6
-FORMAT_CHANGE = ("int8 weights quantized in a 7-bit range, so ONNX Runtime's int8 products cannot overflow on "
-                 "CPUs without VNNI")
+# 7: the decoder's cross-attention inputs batched by sentence, shared by its beams (export/attention.py)
+FORMAT_VERSION = 7
+FORMAT_CHANGE = ("the decoder reads each sentence's cross-attention keys and values once for all of its beams, "
+                 "not once per beam")
+# The batch dimension of a v7 decoder's cross-attention inputs (keys, values, source mask): one row
+# per sentence, where its other inputs have one per beam.
+CROSS_BATCH = "sentences"
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")
 # The files a Marian tokenizer needs; the export checks it wrote them (every export lists its own
 # in the sidecar's "tokenizer" section).

@@ -9,10 +9,12 @@ Caches stay ORT-owned `OrtValue`s from the step that produced them to the step t
 (`run_with_ort_values`): `session.run` would copy every cache tensor into a new numpy array at
 each step and back. Only the logits are viewed as numpy, without a copy.
 
-Beam search: `expand` repeats each sentence's cross-attention keys/values once per beam (one
-Gather, right after the encoder; never recomputed), `reorder` gathers the self-attention cache
-rows by beam index after each step. Both run a tiny Gather graph built at load time
-(`ort_session.gather_rows_graph`) on the OrtValues themselves, so the cache stays ORT-owned.
+Beam search: an export's decoder takes each sentence's cross-attention keys/values and source mask
+once for all of its beams (inputs batched by `CROSS_BATCH`, export/attention.share_cross_attention),
+so `expand` only widens the self-attention cache; a decoder without that rewrite gets them
+repeated once per beam (one Gather, right after the encoder). `reorder` gathers the
+self-attention cache rows by beam index after each step. Both run a tiny Gather graph built at
+load time (`ort_session.gather_rows_graph`) on the OrtValues themselves, so the cache stays ORT-owned.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.memory import release_freed_memory
+
+from .manifest import CROSS_BATCH
 
 from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
@@ -35,6 +39,7 @@ class _State:
     cross: list[ort.OrtValue]  # per layer key, value: (b, h, s, d)
     past: list[ort.OrtValue]  # per layer key, value: (b, h, p, d)
     mask: np.ndarray  # the buffer behind attention_mask (an OrtValue does not own it)
+    beams: int = 1  # decoder rows per sentence; cross and mask hold one row per sentence when shared
 
 
 def _value(array: np.ndarray) -> ort.OrtValue:
@@ -61,6 +66,9 @@ class KVCacheStepModel:
         self.cross_names = [n for n in names if n not in ("input_ids", "encoder_attention_mask") and not n.startswith("past.")]
         self.past_names = [n for n in names if n.startswith("past.")]
         self.present_names = [o.name for o in self.decoder.get_outputs() if o.name.startswith("present.")]
+        # The decoder reads each sentence's cross-attention inputs once for all of its beams.
+        self.shared_cross = all(i.shape[0] == CROSS_BATCH for i in self.decoder.get_inputs()
+                                if i.name in self.cross_names or i.name == "encoder_attention_mask")
         past_type = {i.name: i.type for i in self.decoder.get_inputs()}[self.past_names[0]]
         self.cache_dtype = _NP_TYPES[past_type]
         self.outputs = ["logits", *self.present_names]
@@ -118,12 +126,15 @@ class KVCacheStepModel:
         return list(session.run_with_ort_values([f"y{i}" for i in range(len(values))], feeds))
 
     def expand(self, state: _State, n: int) -> None:
-        """Each sentence's rows n times ([s0 x n, s1 x n, ...]), once, before the first step: the
-        cross-attention keys/values are gathered, not recomputed."""
+        """Each sentence's rows n times ([s0 x n, s1 x n, ...]), once, before the first step. A
+        shared cross-attention keeps one row per sentence; otherwise its keys/values are gathered,
+        not recomputed."""
         rows = state.mask.shape[0]
-        state.cross = self._gather(state.cross, np.repeat(np.arange(rows), n))  # (b * n, h, s, d)
-        state.mask = np.repeat(state.mask, n, axis=0)  # (b * n, s)
-        state.attention_mask = _value(state.mask)
+        state.beams = n
+        if not self.shared_cross:
+            state.cross = self._gather(state.cross, np.repeat(np.arange(rows), n))  # (b * n, h, s, d)
+            state.mask = np.repeat(state.mask, n, axis=0)  # (b * n, s)
+            state.attention_mask = _value(state.mask)
         state.past = self._empty_past(rows * n)
 
     def reorder(self, state: _State, beam_idx: np.ndarray) -> None:
@@ -132,10 +143,17 @@ class KVCacheStepModel:
         state.past = self._gather(state.past, beam_idx)  # (b * n, h, p, d) each
 
     def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Only `rows` go on; every cached tensor and the mask shrink to them."""
+        """Only `rows` go on; every cached tensor and the mask shrink to them (a shared
+        cross-attention's to their sentences: rows must then be every beam of each sentence kept)."""
         state.past = self._gather(state.past, rows)
-        state.cross = self._gather(state.cross, rows)
-        state.mask = np.ascontiguousarray(state.mask[rows])
+        sentences = rows
+        if self.shared_cross and state.beams > 1:
+            n = state.beams
+            sentences = rows[::n] // n
+            if not np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1)):
+                raise ValueError(f"a shared cross-attention keeps whole sentences: rows must be all {n} beams of each")
+        state.cross = self._gather(state.cross, sentences)
+        state.mask = np.ascontiguousarray(state.mask[sentences])
         state.attention_mask = _value(state.mask)
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:

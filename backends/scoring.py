@@ -273,13 +273,19 @@ def beam_scores(
             masked = m.masked(r, ids)
             if masked is not None:
                 penalised[masked] = -np.inf
-        for row in np.unique(r):  # rows holding a penalised id that could enter the top-k
-            mine = r == row
-            cand_ids = np.concatenate([top[row], ids[mine]])
-            cand_values = np.concatenate([values[row], penalised[mine]])
-            order = np.lexsort((cand_ids, -cand_values))[:k]
-            top[row], values[row] = cand_ids[order], cand_values[order]
-            if norm is not None:
+        # Rows holding a penalised id that could enter the top-k: each row's k best of its top-k and
+        # its penalised entries, every row in one sort (by row, value desc, id asc; stable).
+        held, counts = np.unique(r, return_counts=True)
+        cand_rows = np.concatenate([np.repeat(held, k), r])
+        cand_ids = np.concatenate([top[held].reshape(-1), ids])
+        cand_values = np.concatenate([values[held].reshape(-1), penalised])
+        order = np.lexsort((cand_ids, -cand_values, cand_rows))
+        first = np.concatenate([[0], np.cumsum(counts + k)[:-1]])  # each held row's first candidate
+        pick = order[first[:, None] + np.arange(k)]
+        top[held], values[held] = cand_ids[pick], cand_values[pick]
+        if norm is not None:
+            for row in held:
+                mine = r == row
                 norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[mine]))
     if norm is not None:  # renormalize_logits: log_softmax again after the processors
         values -= norm

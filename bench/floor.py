@@ -198,10 +198,13 @@ def _without_products(path: Path, threads: int, workdir: Path):
 
 def _decoder_feeds(session, past: int, source: int, rng) -> dict:
     """Batch-1 feeds for a decoder session: symbolic dims named like a source length get `source`,
-    other symbolic dims but the batch get `past`; ids 0 and a mask of ones."""
+    other symbolic dims but the batch (rows, or sentences for the cross-attention inputs) get `past`;
+    ids 0 and a mask of ones."""
+    from backends.manifest import CROSS_BATCH
+
     feeds = {}
     for i in session.get_inputs():
-        shape = [d if isinstance(d, int) else 1 if d == "batch" else source if "src" in str(d) else past
+        shape = [d if isinstance(d, int) else 1 if d in ("batch", CROSS_BATCH) else source if "src" in str(d) else past
                  for d in i.shape]
         if i.type == "tensor(int64)":
             feeds[i.name] = (np.ones if "mask" in i.name else np.zeros)(shape, dtype=np.int64)

@@ -6,6 +6,8 @@ softmax, weighted sum, merge heads) becomes one ONNX Runtime `MultiHeadAttention
 Transpose(Reshape(k)))` becomes MultiHeadAttention's own `past_*` inputs and `present_*` outputs.
 `pack_qkv`: the three projections of one input that feed one attention become one MatMul by
 [W_q | W_k | W_v] and a Split; each output column is the same dot product as before.
+`share_cross_attention`: the decoder's cross-attention takes each sentence's keys and values once
+for all of its beams (its inputs batched by sentence, `CROSS_BATCH`), not once per beam.
 
 Two further folds are left out on purpose (the q/k/v biases into MultiHeadAttention's `bias`, and
 each output projection's bias with the residual Add and LayerNorm into SkipLayerNormalization):
@@ -21,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from backends.manifest import CROSS_BATCH
 
 from .rewrite import RewriteError, _readers, copy_metadata
 
@@ -296,9 +300,127 @@ def pack_qkv(model: onnx.ModelProto, folder: Path | None = None) -> dict:
     return {"packed": done}
 
 
+
+
+def _graph_inputs_behind(graph: onnx.GraphProto, name: str, producers: dict[str, onnx.NodeProto]) -> set[str]:
+    """The graph inputs a value is computed from (initializers and constants are not inputs)."""
+    inputs = {i.name for i in graph.input}
+    found, stack, seen = set(), [name], set()
+    while stack:
+        value = stack.pop()
+        if value in seen or not value:
+            continue
+        seen.add(value)
+        if value in inputs:
+            found.add(value)
+        elif value in producers:
+            stack.extend(producers[value].input)
+    return found
+
+
+def share_cross_attention(model: onnx.ModelProto) -> dict:
+    """Each decoder cross-attention reads a sentence's keys and values once for all of its beams.
+
+    Beam search runs n rows per sentence, and every row's cross-attention reads the same keys and
+    values. Repeating them n times (as generate() and the fixed-batch graph do) makes each step
+    read n copies and each cache drop copy them. Here the cross-attention inputs (`cross.*` and
+    `encoder_attention_mask`) are batched by sentence (dimension `CROSS_BATCH`), and each
+    MultiHeadAttention whose key and value are such inputs takes its query as (sentences, n, d),
+    n = rows / sentences, with the padding bias broadcast over the n queries: every row attends
+    to its own sentence's keys as before. With one row per sentence (greedy search, n = 1) the
+    graph computes what it computed before; with n > 1, the same products grouped differently.
+
+    Rewritten only where the sentence inputs feed nothing but those attentions' keys, values and
+    bias: any other use would mix rows and sentences. Returns {"shared_cross": [attention names]}.
+    """
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    readers = _readers(graph)
+    names = {i.name for i in graph.input}
+    sentence_inputs = {n for n in names if n.startswith("cross.")}
+    if not sentence_inputs or "encoder_attention_mask" not in names:
+        return {"shared_cross": []}
+    sentence_inputs.add("encoder_attention_mask")
+    mhas = [n for n in graph.node if n.op_type == "MultiHeadAttention" and n.domain == "com.microsoft"
+            and len(n.input) == 6 and not n.input[3] and not n.input[4] and n.input[5]]
+    cross = [n for n in mhas if all(_graph_inputs_behind(graph, n.input[i], producers) <= sentence_inputs
+                                    and _graph_inputs_behind(graph, n.input[i], producers) for i in (1, 2, 5))]
+    if not cross:
+        return {"shared_cross": []}
+    # Every value computed from the sentence inputs must end in those attentions' key, value or bias.
+    allowed = {(n.name, i) for n in cross for i in (1, 2, 5)}
+    outputs = {o.name for o in graph.output}
+    stack, seen = list(sentence_inputs), set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        if value in outputs:
+            return {"shared_cross": []}
+        for reader in readers.get(value, []):
+            slots = [i for i, x in enumerate(reader.input) if x == value]
+            if all((reader.name, i) in allowed for i in slots):
+                continue
+            if reader.op_type == "MultiHeadAttention" or not _graph_inputs_behind(
+                    graph, reader.output[0], producers) <= sentence_inputs:
+                return {"shared_cross": []}
+            stack.extend(reader.output)
+
+    d_model = "share_cross.d_model"
+    consts = {"share_cross.minus_one": [-1], "share_cross.one": [1]}
+    graph.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items())
+    first = cross[0]
+    key_input = next(iter(_graph_inputs_behind(graph, first.input[1], producers)))
+    # sentences and n, from the shapes of a cross key (its batch) and the first query (its rows)
+    shape_nodes = [
+        helper.make_node("Shape", [key_input], ["share_cross.sentences"], name="share_cross.sentences", start=0, end=1),
+        helper.make_node("Shape", [first.input[0]], ["share_cross.rows"], name="share_cross.rows", start=0, end=1),
+        helper.make_node("Shape", [first.input[0]], [d_model], name="share_cross.d_model", start=2, end=3),
+        helper.make_node("Div", ["share_cross.rows", "share_cross.sentences"], ["share_cross.beams"], name="share_cross.beams"),
+        helper.make_node("Concat", ["share_cross.sentences", "share_cross.minus_one", d_model], ["share_cross.grouped"],
+                         name="share_cross.grouped", axis=0),
+        helper.make_node("Concat", ["share_cross.minus_one", "share_cross.one", d_model], ["share_cross.per_row"],
+                         name="share_cross.per_row", axis=0),
+        helper.make_node("Concat", ["share_cross.one", "share_cross.one", "share_cross.beams", "share_cross.one"],
+                         ["share_cross.bias_shape"], name="share_cross.bias_shape", axis=0),
+    ]
+    for node in shape_nodes:
+        copy_metadata(node, first)
+    graph.node.insert(list(graph.node).index(first), shape_nodes[-1])
+    for node in reversed(shape_nodes[:-1]):
+        graph.node.insert(list(graph.node).index(shape_nodes[-1]), node)
+    done = []
+    for mha in cross:
+        query, out, bias = mha.input[0], mha.output[0], mha.input[5]
+        grouped_q = helper.make_node("Reshape", [query, "share_cross.grouped"], [f"{mha.name}.grouped_query"],
+                                     name=f"{mha.name}.grouped_query")
+        grouped_bias = helper.make_node("Expand", [bias, "share_cross.bias_shape"], [f"{mha.name}.grouped_bias"],
+                                        name=f"{mha.name}.grouped_bias")
+        per_row = helper.make_node("Reshape", [f"{mha.name}.grouped_out", "share_cross.per_row"], [out],
+                                   name=f"{mha.name}.per_row")
+        mha.input[0], mha.input[5], mha.output[0] = grouped_q.output[0], grouped_bias.output[0], f"{mha.name}.grouped_out"
+        at = list(graph.node).index(mha)
+        for node in (grouped_q, grouped_bias, per_row):
+            copy_metadata(node, mha)
+        graph.node.insert(at + 1, per_row)
+        graph.node.insert(at, grouped_bias)
+        graph.node.insert(at, grouped_q)
+        done.append(mha.name)
+    for value in [*graph.input, *graph.value_info]:
+        if value.name in sentence_inputs:
+            value.type.tensor_type.shape.dim[0].dim_param = CROSS_BATCH
+    # values computed from the sentence inputs alone (the bias) are per sentence too: their
+    # recorded shapes would say rows
+    for info in [v for v in graph.value_info if v.name in seen and v.name not in sentence_inputs]:
+        graph.value_info.remove(info)
+    _sort_topologically(graph)
+    return {"shared_cross": done}
+
+
 def fuse_attention_file(path: Path, num_heads: int) -> dict:
-    """`fuse_attention`, then `append_cache_in_attention` and `pack_qkv`, on a graph file in place
-    (external data kept, as `rewrite_file`)."""
+    """`fuse_attention`, then `append_cache_in_attention`, `pack_qkv` and `share_cross_attention`,
+    on a graph file in place (external data kept, as `rewrite_file`)."""
     from .onnx_io import check, external_files, load_structure, save
 
     path = Path(path)
@@ -307,7 +429,8 @@ def fuse_attention_file(path: Path, num_heads: int) -> dict:
     report = fuse_attention(model, num_heads)
     report.update(append_cache_in_attention(model))
     report.update(pack_qkv(model, path.parent))
-    if report["attention"] or report["cache"] or report["packed"]:
+    report.update(share_cross_attention(model))
+    if report["attention"] or report["cache"] or report["packed"] or report["shared_cross"]:
         save(model, path, external_data=external, source=path.parent)
         check(path)
     return report

@@ -82,6 +82,11 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path, left_out: di
         entry["initializer_bytes"] = initializer_bytes(model)
         entry["fp16_bytes_widened_on_cpu"] = widened_fp16_bytes(model)
         entry["fp16_bytes_replaced_on_cpu"] = replaced_fp16_bytes(model)
+        # the batch dimension each input has in the file (a rewrite may batch some by sentence)
+        dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input}
+        for spec in entry["inputs"]:
+            if spec["name"] in dims and dims[spec["name"]] and dims[spec["name"]][0].dim_param:
+                spec["shape"][0] = dims[spec["name"]][0].dim_param
     return entries
 
 

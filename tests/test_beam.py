@@ -205,7 +205,7 @@ def test_the_output_layer_bias_is_kept_only_where_it_adds_something(tiny_export_
 
 def test_the_sidecar_records_the_generation_config(tiny_export_dir, peaked_export_dir, peaked_model_dir):
     tiny = load_manifest(tiny_export_dir)
-    assert tiny.data["format_version"] == FORMAT_VERSION == 6
+    assert tiny.data["format_version"] == FORMAT_VERSION == 7
     g = tiny.data["generation"]
     # transformers 5 derives the tiny model's generation config from its config: forced eos 0,
     # no max_length (generate()'s model-agnostic 20 tokens are not copied: the position limit holds).
@@ -293,7 +293,7 @@ def test_an_older_export_is_refused_and_made_again(tiny_model_dir, tiny_export_d
     shutil.copytree(tiny_export_dir, out)
     data = json.loads((out / MANIFEST_NAME).read_text())
     (out / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 2}))
-    with pytest.raises(ManifestError, match=r"older export \(format v2\); this version reads v6.*re-run the export"):
+    with pytest.raises(ManifestError, match=r"older export \(format v2\); this version reads v7.*re-run the export"):
         load_manifest(out)
     ok, why = reusable(str(tiny_model_dir), out)
     assert not ok and "older export (format v2)" in why
@@ -547,8 +547,10 @@ def test_kv_cache_stays_in_ort_and_cross_attention_is_computed_once(peaked, monk
     out = backend.translate(TEXTS[:2], num_beams=4, max_new_tokens=10, min_new_tokens=10)
     layers = engine.layers
     assert runs["encoder"] == 1
-    expand, *reorders = runs["gather"]
-    assert expand[0] == 2 * layers and expand[1][0] == 2 and expand[2] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # The cross-attention keys/values stay at one row per sentence (the decoder shares them across
+    # a sentence's beams): every gather is a reorder of the self-attention cache.
+    assert engine.shared_cross
+    reorders = runs["gather"]
     assert reorders and all(n == 2 * layers and shape[0] == 8 for n, shape, _ in reorders)
     assert all(len(shape) == 3 for shape in to_numpy)  # only the logits (rows, 1, V) leave ORT
     assert all(len(shape) < 4 or shape[2] == 0 for shape in from_numpy)  # no cache enters from numpy
@@ -765,6 +767,25 @@ def test_finished_sentences_are_dropped_and_change_no_number(embedded, name, n):
             np.testing.assert_allclose([h.score for h in a.hypotheses], [h.score for h in b.hypotheses], atol=1e-5)
         np.testing.assert_allclose([s.logprob for s in a.scores], [s.logprob for s in b.scores], atol=1e-5)
         assert [s.top_ids for s in a.scores] == [s.top_ids for s in b.scores]
+
+
+@pytest.mark.parametrize("name", ["ort_fp32_kv_cache", "ort_fp16", "ort_int8"])
+def test_kv_engines_share_each_sentences_cross_attention_across_its_beams(embedded, name):
+    """The export's decoders take the cross-attention inputs once per sentence: `expand` leaves them
+    at one row per sentence, `keep` shrinks them by sentence and refuses a part of a sentence's beams."""
+    engine = embedded[name].model
+    assert engine.shared_cross
+    batch = embedded[name].tokenizer.encode(["The cat sat on the mat.", "Open the file.", "Save it."], 64)
+    state = engine.encode(batch.input_ids, batch.attention_mask)
+    engine.expand(state, 4)
+    assert state.cross[0].shape()[0] == 3 and state.past[0].shape()[0] == 12 and state.mask.shape[0] == 3
+    decoder_ids = np.full((12, 1), embedded[name].special.decoder_start, dtype=np.int64)
+    assert engine.step(state, decoder_ids).shape[0] == 12
+    engine.keep(state, np.arange(4, 12))
+    assert state.cross[0].shape()[0] == 2 and state.past[0].shape()[0] == 8
+    assert np.array_equal(state.mask, batch.attention_mask[1:])
+    with pytest.raises(ValueError, match="whole sentences"):
+        engine.keep(state, np.array([0, 1, 2, 4, 5, 6, 7, 3]))
 
 
 def test_beam_search_rows_must_be_whole_sentences():

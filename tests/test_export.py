@@ -328,6 +328,69 @@ def test_cache_in_attention_and_packed_qkv_compute_the_very_numbers(tiny_model_d
         if name == "encoder":
             cross = before[1:]
 
+@pytest.mark.slow
+def test_shared_cross_attention_reads_each_sentence_once_for_all_its_beams(tiny_model_dir, tmp_path):
+    """After the other rewrites: the decoder's cross-attention inputs batched by sentence. With one
+    row per sentence every output is bit-identical; with three beams per sentence (rows in beam
+    order, each beam its own token and past) it matches the unshared graph fed the keys, values
+    and mask repeated per beam, and a beam given another sentence's row would not."""
+    import copy
+
+    from backends.manifest import CROSS_BATCH
+    from export import graphs
+    from export.attention import append_cache_in_attention, fuse_attention, pack_qkv, share_cross_attention
+    from export.source import load_source
+
+    model, _, _, family, _ = load_source(str(tiny_model_dir))
+    config = model.config
+    specs = graphs.graph_specs(config)
+    rng = np.random.default_rng(2)
+    b, n = 3, 3
+    ids, mask = _padded_source(config, rng, b)
+    encoder = onnx.load(str(graphs.export_graph(model, family, config, specs["encoder"], tmp_path, graphs.DEFAULT_OPSET)))
+    cross = _run_graph(encoder, {"input_ids": ids, "attention_mask": mask})[1:]
+    before = onnx.load(str(graphs.export_graph(model, family, config, specs["decoder"], tmp_path, graphs.DEFAULT_OPSET)))
+    fuse_attention(before, config.decoder_attention_heads)
+    append_cache_in_attention(before)
+    pack_qkv(before)
+    after = copy.deepcopy(before)
+    shared = share_cross_attention(after)["shared_cross"]
+    assert len(shared) == config.decoder_layers
+    batch_dims = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in after.graph.input}
+    assert {k for k, v in batch_dims.items() if v == CROSS_BATCH} == {
+        i.name for i in after.graph.input if i.name.startswith("cross") or i.name == "encoder_attention_mask"}
+    cross_names = [x.name for x in before.graph.input if x.name.startswith("cross")]
+    h, d = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+
+    def feeds(rows, sentence_of_row, tokens, past_len, per_row):
+        f = {"input_ids": tokens}
+        pick = sentence_of_row if per_row else np.arange(b)
+        f["encoder_attention_mask"] = mask[pick]
+        f.update({name: c[pick] for name, c in zip(cross_names, cross)})
+        f.update({x.name: past_rng.standard_normal((rows, h, past_len, d)).astype(np.float32)
+                  for x in before.graph.input if x.name.startswith("past")})
+        return f
+
+    past_rng = np.random.default_rng(3)
+    one = feeds(b, np.arange(b), ids[:, :1], 4, per_row=True)
+    for x, y in zip(_run_graph(before, one), _run_graph(after, one), strict=True):
+        assert x.shape == y.shape and np.array_equal(x, y)
+    rows = np.repeat(np.arange(b), n)  # beam order: [s0 x n, s1 x n, ...]
+    tokens = rng.integers(4, config.vocab_size - 1, (b * n, 1))
+    past_rng = np.random.default_rng(4)
+    repeated = feeds(b * n, rows, tokens, 5, per_row=True)
+    past_rng = np.random.default_rng(4)
+    grouped = feeds(b * n, rows, tokens, 5, per_row=False)
+    expected, got = _run_graph(before, repeated), _run_graph(after, grouped)
+    for x, y in zip(expected, got, strict=True):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5)
+    # the check can fail: rows that attend another sentence's source give other logits
+    past_rng = np.random.default_rng(4)
+    wrong = feeds(b * n, np.tile(np.arange(b), n), tokens, 5, per_row=True)
+    assert np.abs(_run_graph(before, wrong)[0] - got[0]).max() > 1e-3
+
+
 def _ops_count(model, op: str) -> int:
     return sum(n.op_type == op for n in model.graph.node)
 
