@@ -21,8 +21,8 @@ from runtime.protocol import Spec
 from service.environment import environment
 from service.reports import failure_line, write
 from service.speedrun import (FLOOR_TARGETS, SpeedOptions, add_comparisons, choose_setting, decoding_sentence, make_spec,
-                               model_info, paired_figure, paired_spec, probe_spec, sentence_info, summarize_pairs,
-                               target_pairs)
+                               model_info, paired_figure_names, paired_figures, paired_key, paired_spec, probe_spec,
+                               sentence_info, summarize_pairs, target_pairs)
 
 from . import floor as floor_mod
 from .data import REPO, default_backends
@@ -216,8 +216,7 @@ def run(
         commands = {name: cmd for name, cmd, _, _ in jobs}
         for ours, peer in target_pairs(decoding):
             if ours in runtimes and peer in runtimes:
-                paired["/".join((ours, peer))] = _paired_check(
-                    ours, peer, commands, paired_path, decoding, options, out_dir, log)
+                paired.update(_paired_check(ours, peer, commands, paired_path, decoding, options, out_dir, log))
         if not paired:
             log("paired check: no target had both of its runtimes in this run; nothing paired")
 
@@ -259,12 +258,13 @@ def run(
 def _paired_check(ours: str, peer: str, commands: dict[str, list[str]], spec_path: Path, decoding: dict,
                   options: SpeedOptions, out_dir: Path, log) -> dict:
     """`options.paired_rounds` pairs of fresh processes, `ours` and `peer` back to back over the
-    work in `spec_path`, the first of each pair alternating; see SpeedOptions.paired_rounds."""
+    work in `spec_path`, the first of each pair alternating; see SpeedOptions.paired_rounds.
+    -> {paired_key: summary} for each figure the pairs timed."""
     big = str(options.batch_sizes[-1])
-    pairs = []
+    pairs: dict[str, list[dict]] = {}
     for k in range(options.paired_rounds):
         order = (ours, peer) if k % 2 == 0 else (peer, ours)
-        figures = {"first": order[0]}
+        figures: dict[str, dict] = {}
         for name in order:
             tag = f"paired.{ours}-{peer}.{k + 1}.{name}"
             out_json = out_dir / "logs" / f"{tag}.json"
@@ -272,14 +272,21 @@ def _paired_check(ours: str, peer: str, commands: dict[str, list[str]], spec_pat
                                 out_dir / "logs" / f"{tag}.log", options.threads, options.timeout_s)
             if "error" in r:
                 log(f"paired check {ours}/{peer}: {name} FAILED in pair {k + 1}: {failure_line(r['error'])}")
-                return {"ours": ours, "peer": peer, "error": f"{name} in pair {k + 1}: {r['error']}", "pairs": pairs}
-            figures[name] = paired_figure(r, decoding, big)
-        pairs.append(figures)
-    summary = summarize_pairs(ours, peer, pairs, decoding, big)
-    log(f"paired check {ours}/{peer} ({summary['figure']}): median pair {summary['median_ratio']:.2f}x, "
-        f"ours ahead in {summary['ours_ahead']} of {summary['n']} "
-        f"(each pair: {', '.join(format(p['ratio'], '.2f') for p in summary['pairs'])})")
-    return summary
+                failed = {"ours": ours, "peer": peer, "error": f"{name} in pair {k + 1}: {r['error']}"}
+                return {paired_key(ours, peer, f, decoding, big): {**failed, "pairs": pairs.get(f, [])}
+                        for f in paired_figure_names(decoding, big)}
+            for figure, value in paired_figures(r, decoding, big).items():
+                figures.setdefault(figure, {"first": order[0]})[name] = value
+        for figure, pair in figures.items():
+            pairs.setdefault(figure, []).append(pair)
+    out = {}
+    for figure, figure_pairs in pairs.items():
+        summary = summarize_pairs(ours, peer, figure_pairs, decoding, big, figure)
+        log(f"paired check {ours}/{peer} ({figure}): median pair {summary['median_ratio']:.2f}x, "
+            f"ours ahead in {summary['ours_ahead']} of {summary['n']} "
+            f"(each pair: {', '.join(format(p['ratio'], '.2f') for p in summary['pairs'])})")
+        out[paired_key(ours, peer, figure, decoding, big)] = summary
+    return out
 
 
 def _probe_ct2(name: str, cmd: list[str], spec_path: Path, options: SpeedOptions, out_dir: Path, log) -> dict:

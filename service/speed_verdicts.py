@@ -149,10 +149,19 @@ def _beside_text(value: float, rounds: list[dict], limit: float) -> str:
 FLOOR_TARGETS = ((KV, "decoder", 1.15), (I8, "decoder_int8", 1.3))
 
 
+# The figures a paired check times (see speedrun.paired_spec).
+LATENCY_FIGURE = "batch-1 p50 ms"
+
+
+def throughput_figure(big: str) -> str:
+    return f"batch-{big} sentences/s"
+
+
 # The speed targets, checked on every run where the runtimes they name took part: greedy runs
 # check batch-`big` throughput against CTranslate2 and, with forced output lengths, batch-1 ms per
 # token against the memory-bandwidth floor; beam runs check batch-1 latency against
-# generate(num_beams=N) and CTranslate2's beam_size=N. Each of our figures comes with the engine's
+# generate(num_beams=N) and CTranslate2's beam_size=N, and batch-`big` throughput against
+# CTranslate2's. Each of our figures comes with the engine's
 # alone (the graphs, the decoding loop's own work excluded), so a target that does not hold says
 # whether a faster loop could reach it. A target between two runtimes is decided by the run's
 # paired check when it has one (`results["paired"]`, SpeedOptions.paired_rounds).
@@ -176,10 +185,11 @@ def targets(results: dict) -> list[dict]:
     out = []
     paired = results.get("paired", {})
 
-    def check(text, value, limit, higher_is_better, fmt, pair=None):
+    def check(text, value, limit, higher_is_better, fmt, pair=None, suffix=""):
         """pair: (ours, peer) when the target compares two runtimes: with a paired check in this run
-        its median pair decides, and the round-robin ratio is shown beside it."""
-        p = paired.get("/".join(pair)) if pair else None
+        its median pair decides, and the round-robin ratio is shown beside it. `suffix`: the pair's
+        key beyond "ours/peer" for a figure other than the search's usual one (`paired_key`)."""
+        p = paired.get("/".join(pair) + suffix) if pair else None
         if p and "median_ratio" in p:
             rr = fmt(value, limit) if value is not None else "not measured"
             held = p["median_ratio"] >= limit if higher_is_better else p["median_ratio"] <= limit
@@ -198,14 +208,18 @@ def targets(results: dict) -> list[dict]:
 
     kv, i8 = KV, I8
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
-    if beams == 1:
+
+    def throughput_vs_ct2(search: str, suffix: str = ""):
         for ours, peer, label in ((o, p, PEERS[p].label) for o, p in CT2_PAIRS):
             def fmt(v, _, ours=ours, peer=peer, label=label):
                 text = f"{v:.2f}x {label}'s sentences/s ({thr(ours):.1f} vs {thr(peer):.1f})"
                 g = engine_thr(ours)
                 return text + (f"; the ORT graphs alone: {g:.1f} sentences/s = {g / thr(peer):.2f}x" if g else "")
-            check(f"{ours}, batch {big}: at least {label}'s throughput", ratio(thr(ours), thr(peer)), 1.0, True, fmt,
-                  (ours, peer))
+            check(f"{ours}, batch {big}{search}: at least {label}'s throughput", ratio(thr(ours), thr(peer)), 1.0, True,
+                  fmt, (ours, peer), suffix)
+
+    if beams == 1:
+        throughput_vs_ct2("")
         if results["options"].get("forced_tokens"):
             for name, graph, limit in FLOOR_TARGETS:
                 text = f"{name}, batch 1: ms per token within {limit}x of the memory-bandwidth floor"
@@ -236,5 +250,7 @@ def targets(results: dict) -> list[dict]:
             check(f"{ours}, batch 1, beam {beams}: no slower than {label} beam_size={beams}",
                   ratio(p50(ours), p50(peer)), 1.0, False, lambda v, _, label=label: f"{v:.2f}x {label}'s p50",
                   (ours, peer))
+        if big != "1":
+            throughput_vs_ct2(f", beam {beams}", "@" + throughput_figure(big))
     return out
 

@@ -26,11 +26,13 @@ from .speed_verdicts import (  # noqa: F401  (the verdicts are this module's API
     FLOOR_TARGETS,
     I8,
     KV,
+    LATENCY_FIGURE,
     TOLERANCE,
     add_comparisons,
     claims,
     floor_beside_rounds,
     targets,
+    throughput_figure,
 )
 
 SWEEP_LENGTHS = (8, 16, 32, 64, 128)
@@ -172,12 +174,13 @@ def target_pairs(decoding: dict) -> list[tuple[str, str]]:
 
 
 def paired_spec(spec: Spec, decoding: dict) -> Spec:
-    """The work of one side of a pair: only the figure its target compares. Greedy: throughput at
-    the largest batch size over the run's throughput sentences; beam: batch-1 latency over the first
-    PAIRED_LATENCY_SENTENCES of the run's latency sentences. Same sentences, lengths and threads."""
+    """The work of one side of a pair: only the figures its targets compare. Throughput at the
+    largest batch size over the run's throughput sentences; with beam search also batch-1 latency
+    over the first PAIRED_LATENCY_SENTENCES of the run's latency sentences. Same sentences, lengths
+    and threads."""
     greedy = _greedy(decoding)
     return _part_of(spec, [] if greedy else spec.latency_idx[:PAIRED_LATENCY_SENTENCES],
-                    spec.batch_sizes[-1:] if greedy else [], spec.throughput_idx)
+                    spec.batch_sizes[-1:], spec.throughput_idx)
 
 
 def _part_of(spec: Spec, latency_idx: list[int], batch_sizes: list[int], throughput_idx: list[int]) -> Spec:
@@ -186,22 +189,36 @@ def _part_of(spec: Spec, latency_idx: list[int], batch_sizes: list[int], through
                                sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(latency_idx)))
 
 
-def paired_figure(result: dict, decoding: dict, big: str) -> float:
-    """What a paired run's target compares: batch-`big` sentences/s (greedy) or batch-1 p50 ms (beam)."""
-    if _greedy(decoding):
-        return result["throughput"][big]["sentences_per_s"]
-    return result["latency"]["p50"]
+def paired_key(ours: str, peer: str, figure: str, decoding: dict, big: str) -> str:
+    """results["paired"]'s key for one figure of a pair: "ours/peer" for the figure every run of its
+    search compares (greedy: throughput, beam: latency), "ours/peer@figure" for beam's throughput."""
+    primary = throughput_figure(big) if _greedy(decoding) else LATENCY_FIGURE
+    return f"{ours}/{peer}" if figure == primary else f"{ours}/{peer}@{figure}"
 
 
-def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big: str) -> dict:
+def paired_figure_names(decoding: dict, big: str) -> list[str]:
+    """The figures a pair times (`paired_spec`): throughput, and with beam search latency."""
+    return [throughput_figure(big)] + ([] if _greedy(decoding) else [LATENCY_FIGURE])
+
+
+def paired_figures(result: dict, decoding: dict, big: str) -> dict[str, float]:
+    """What a paired run's targets compare: batch-`big` sentences/s, and with beam search batch-1 p50 ms."""
+    values = {throughput_figure(big): lambda: result["throughput"][big]["sentences_per_s"],
+              LATENCY_FIGURE: lambda: result["latency"]["p50"]}
+    return {figure: values[figure]() for figure in paired_figure_names(decoding, big)}
+
+
+def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big: str, figure: str | None = None) -> dict:
     """`pairs`: [{"first": name, ours: figure, peer: figure}, ...] -> each pair's ratio (ours / peer),
-    the median ratio, and in how many pairs ours was ahead."""
-    greedy = _greedy(decoding)
+    the median ratio, and in how many pairs ours was ahead. `figure`: which one the pairs hold
+    (default: the one every run of the search compares, see `paired_key`)."""
+    figure = figure or (throughput_figure(big) if _greedy(decoding) else LATENCY_FIGURE)
+    higher_is_better = figure != LATENCY_FIGURE
     ratios = [p[ours] / p[peer] for p in pairs]
-    ahead = sum(r >= 1.0 if greedy else r <= 1.0 for r in ratios)
+    ahead = sum(r >= 1.0 if higher_is_better else r <= 1.0 for r in ratios)
     return {
         "ours": ours, "peer": peer,
-        "figure": f"batch-{big} sentences/s" if greedy else "batch-1 p50 ms",
+        "figure": figure,
         "pairs": [{**p, "ratio": r} for p, r in zip(pairs, ratios)],
         "median_ratio": float(np.median(ratios)),
         "ours_ahead": ahead,

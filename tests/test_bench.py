@@ -581,6 +581,14 @@ def test_the_median_pair_decides_a_target_and_the_round_robin_ratio_stays_beside
     beam = summarize_pairs("ort_int8", "ct2_int8", [{"first": "ort_int8", "ort_int8": 90.0, "ct2_int8": 100.0}],
                            {"search": "beam", "num_beams": 4}, "4")
     assert beam["ours_ahead"] == 1 and beam["figure"] == "batch-1 p50 ms"
+    # Beam runs also compare batch-32 throughput with CTranslate2's, decided by that figure's pairs.
+    beam_thr = summarize_pairs("ort_fp32_kv_cache", "ct2_float32", pairs, {"search": "beam", "num_beams": 4}, "32",
+                               "batch-32 sentences/s")
+    assert beam_thr["ours_ahead"] == 2 and beam_thr["median_ratio"] == pytest.approx(1.1)
+    results = _results_for_targets(90.0, 100.0, {"ort_fp32_kv_cache/ct2_float32@batch-32 sentences/s": beam_thr})
+    results["decoding"] = {"search": "beam", "num_beams": 4}
+    t = {x["target"]: x for x in targets(results)}["ort_fp32_kv_cache, batch 32, beam 4: at least CTranslate2 float32's throughput"]
+    assert (t["held"], t["decided_by"], t["round_robin_value"]) == (True, "paired", pytest.approx(0.9))
 
 
 def test_a_paired_spec_times_only_what_its_target_compares():
@@ -591,8 +599,8 @@ def test_a_paired_spec_times_only_what_its_target_compares():
     greedy = paired_spec(spec, {"num_beams": 1})
     assert (greedy.latency_idx, greedy.batch_sizes, greedy.sweep_lengths, greedy.warmup) == ([], [32], [], 0)
     assert greedy.throughput_idx == spec.throughput_idx and greedy.sentences == spec.sentences
-    beam = paired_spec(spec, {"num_beams": 4})
-    assert beam.latency_idx == spec.latency_idx[:PAIRED_LATENCY_SENTENCES] and beam.batch_sizes == []
+    beam = paired_spec(spec, {"num_beams": 4})  # batch-1 latency, and the largest batch's throughput
+    assert beam.latency_idx == spec.latency_idx[:PAIRED_LATENCY_SENTENCES] and beam.batch_sizes == [32]
     assert beam.warmup == spec.warmup and beam.sweep_idx == []
 
 
@@ -611,15 +619,18 @@ def test_paired_rounds_time_each_pair_back_to_back_first_alternating(tiny_export
                   peer_names=["transformers"], peer_cache=tmp_path / "peers", log=lines.append, num_beams=2)
     assert results["failed"] == {}
     p = results["paired"]["ort_fp32_kv_cache/transformers"]
+    throughput = results["paired"]["ort_fp32_kv_cache/transformers@batch-3 sentences/s"]
     assert [q["first"] for q in p["pairs"]] == ["ort_fp32_kv_cache", "transformers", "ort_fp32_kv_cache"]
     for k, q in enumerate(p["pairs"], 1):
         sides = {name: json.loads((out / "logs" / f"paired.ort_fp32_kv_cache-transformers.{k}.{name}.json").read_text())
                  for name in ("ort_fp32_kv_cache", "transformers")}
         for name, r in sides.items():
-            assert r["latency"]["n"] == 3 and r["throughput"] == {} and r["sweep"] == {}  # latency only
+            assert r["latency"]["n"] == 3 and list(r["throughput"]) == ["3"] and r["sweep"] == {}
             assert q[name] == r["latency"]["p50"]
+            assert throughput["pairs"][k - 1][name] == r["throughput"]["3"]["sentences_per_s"]
         assert q["ratio"] == pytest.approx(q["ort_fp32_kv_cache"] / q["transformers"])
     assert p["median_ratio"] == pytest.approx(float(np.median([q["ratio"] for q in p["pairs"]])))
+    assert throughput["figure"] == "batch-3 sentences/s" and throughput["n"] == 3
     target = next(t for t in results["targets"] if "generate(num_beams=2)" in t["target"])
     assert target["decided_by"] == "paired" and target["value"] == p["median_ratio"]
     assert target["held"] == (p["median_ratio"] <= 0.6)
