@@ -317,6 +317,20 @@ def test_benchmark_prefers_the_app_models_report_and_says_so(quick, tmp_path):
     assert "Not the model this app serves" in picked.header
 
 
+def test_the_report_header_names_the_search_the_run_used(quick, tmp_path):
+    """A quick run decodes greedily; a full run may use beams (`bench speed --num-beams`), and its
+    header says so rather than "greedy"."""
+    loaded, _, view, _ = quick
+    assert "; greedy." in view.header
+    beam = tmp_path / "results" / "beam"
+    shutil.copytree(Path(view.selected).parent, beam)
+    data = json.loads((beam / "results.json").read_text(encoding="utf-8"))
+    data["decoding"] = {"search": "beam", "num_beams": 4, "label": "beam 4"}
+    (beam / "results.json").write_text(json.dumps(data), encoding="utf-8")
+    v = benchmark_tab.view(loaded_app(loaded.backends, tmp_path / "results"))
+    assert "; beam 4." in v.header and "greedy" not in v.header
+
+
 @pytest.mark.parametrize("count", [0, 21, 2.5, None, "3", True])
 def test_quick_benchmark_count_is_validated(tiny_backends, tmp_path, count):
     loaded = loaded_app(tiny_backends, tmp_path)

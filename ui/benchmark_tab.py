@@ -30,7 +30,7 @@ from service.quickbench import (
 )
 from service.reference import load_reference
 from service.reports import failure_line, find_reports, load_report
-from service.speedrun import not_measured
+from service.speedrun import GREEDY, not_measured
 
 from . import load_plots
 from .machine import load_warning
@@ -111,9 +111,10 @@ def header_md(report: dict, export: Path | None, newest_is_other: dict | None = 
     forced = o.get("forced_tokens")
     length = f"forced to {forced} tokens" if forced else f"to eos, capped at {o['max_new_tokens']}"
     source = f" from {s['source']}" if s.get("source") else ""
+    search = (r.get("decoding") or GREEDY)["label"]  # a report made before beam runs existed: greedy
     lines.append(
         f"Sentences: {s['count']}{source}; batch-1 latency over {s['latency_sentences']}, throughput over "
-        f"{s['throughput_sentences']} at batch {', '.join(map(str, o['batch_sizes']))}; output {length}; greedy."
+        f"{s['throughput_sentences']} at batch {', '.join(map(str, o['batch_sizes']))}; output {length}; {search}."
     )
     load = f"load average {e.get('load_average_1m_at_start')} at start, {e.get('load_average_1m_at_end', '–')} at end"
     lines.append(
