@@ -34,3 +34,11 @@ class StepModel(Protocol):
         """Optional: only these rows (ascending indices into the current ones) go on; the others'
         sentences are finished (beam search: every beam of a sentence together). Without it,
         finished rows are computed to the end."""
+
+
+def sentences_of(rows: np.ndarray, n: int) -> np.ndarray | None:
+    """The sentences of `rows` (ascending indices into rows [s0 x n, s1 x n, ...]) when they are every
+    beam of each of them, in order; None when a sentence is there with only some of its beams."""
+    sentences = rows[::n] // n
+    whole = np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1))
+    return sentences if whole else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .base import sentences_of
 from .generation import GenerationDefaults, SpecialTokens
 from .options import DecodeOptions
 from .processors import logits_processors, prepare
@@ -112,8 +113,8 @@ class BeamSearchDecoder:
         if rows is None:
             sentences = np.arange(self.batch)
         else:
-            sentences = rows[::n] // n
-            if not np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1)):
+            sentences = sentences_of(rows, n)
+            if sentences is None:
                 raise ValueError("beam search computes whole sentences: rows must be every beam of each sentence kept")
         b = len(sentences)
         # 1. processed log-probs: ids (r, K) and their values (r, K) float64, best first

@@ -26,8 +26,8 @@ import onnxruntime as ort
 
 from runtime.memory import release_freed_memory
 
+from .base import sentences_of
 from .manifest import CROSS_BATCH
-
 from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
@@ -148,10 +148,10 @@ class KVCacheStepModel:
         state.past = self._gather(state.past, rows)
         sentences = rows
         if self.shared_cross and state.beams > 1:
-            n = state.beams
-            sentences = rows[::n] // n
-            if not np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1)):
-                raise ValueError(f"a shared cross-attention keeps whole sentences: rows must be all {n} beams of each")
+            sentences = sentences_of(rows, state.beams)
+            if sentences is None:
+                raise ValueError(f"a shared cross-attention keeps whole sentences: rows must be all {state.beams} "
+                                 "beams of each")
         state.cross = self._gather(state.cross, sentences)
         state.mask = np.ascontiguousarray(state.mask[sentences])
         state.attention_mask = _value(state.mask)

@@ -343,8 +343,11 @@ def share_cross_attention(model: onnx.ModelProto) -> dict:
     sentence_inputs.add("encoder_attention_mask")
     mhas = [n for n in graph.node if n.op_type == "MultiHeadAttention" and n.domain == "com.microsoft"
             and len(n.input) == 6 and not n.input[3] and not n.input[4] and n.input[5]]
-    cross = [n for n in mhas if all(_graph_inputs_behind(graph, n.input[i], producers) <= sentence_inputs
-                                    and _graph_inputs_behind(graph, n.input[i], producers) for i in (1, 2, 5))]
+    def from_sentence_inputs(value: str) -> bool:
+        behind = _graph_inputs_behind(graph, value, producers)
+        return bool(behind) and behind <= sentence_inputs
+
+    cross = [n for n in mhas if all(from_sentence_inputs(n.input[i]) for i in (1, 2, 5))]
     if not cross:
         return {"shared_cross": []}
     # Every value computed from the sentence inputs must end in those attentions' key, value or bias.

@@ -189,11 +189,15 @@ def _part_of(spec: Spec, latency_idx: list[int], batch_sizes: list[int], through
                                sweep_lengths=[], sweep_idx=[], warmup=min(spec.warmup, len(latency_idx)))
 
 
+def _primary_figure(decoding: dict, big: str) -> str:
+    """The figure every run of the search compares: greedy, throughput; beam, batch-1 latency."""
+    return throughput_figure(big) if _greedy(decoding) else LATENCY_FIGURE
+
+
 def paired_key(ours: str, peer: str, figure: str, decoding: dict, big: str) -> str:
-    """results["paired"]'s key for one figure of a pair: "ours/peer" for the figure every run of its
-    search compares (greedy: throughput, beam: latency), "ours/peer@figure" for beam's throughput."""
-    primary = throughput_figure(big) if _greedy(decoding) else LATENCY_FIGURE
-    return f"{ours}/{peer}" if figure == primary else f"{ours}/{peer}@{figure}"
+    """results["paired"]'s key for one figure of a pair: "ours/peer" for the search's primary figure,
+    "ours/peer@figure" for another (beam's throughput)."""
+    return f"{ours}/{peer}" if figure == _primary_figure(decoding, big) else f"{ours}/{peer}@{figure}"
 
 
 def paired_figure_names(decoding: dict, big: str) -> list[str]:
@@ -203,16 +207,17 @@ def paired_figure_names(decoding: dict, big: str) -> list[str]:
 
 def paired_figures(result: dict, decoding: dict, big: str) -> dict[str, float]:
     """What a paired run's targets compare: batch-`big` sentences/s, and with beam search batch-1 p50 ms."""
-    values = {throughput_figure(big): lambda: result["throughput"][big]["sentences_per_s"],
-              LATENCY_FIGURE: lambda: result["latency"]["p50"]}
-    return {figure: values[figure]() for figure in paired_figure_names(decoding, big)}
+    out = {throughput_figure(big): result["throughput"][big]["sentences_per_s"]}
+    if not _greedy(decoding):
+        out[LATENCY_FIGURE] = result["latency"]["p50"]
+    return out
 
 
 def summarize_pairs(ours: str, peer: str, pairs: list[dict], decoding: dict, big: str, figure: str | None = None) -> dict:
     """`pairs`: [{"first": name, ours: figure, peer: figure}, ...] -> each pair's ratio (ours / peer),
     the median ratio, and in how many pairs ours was ahead. `figure`: which one the pairs hold
-    (default: the one every run of the search compares, see `paired_key`)."""
-    figure = figure or (throughput_figure(big) if _greedy(decoding) else LATENCY_FIGURE)
+    (default: the search's primary one, see `paired_key`)."""
+    figure = figure or _primary_figure(decoding, big)
     higher_is_better = figure != LATENCY_FIGURE
     ratios = [p[ours] / p[peer] for p in pairs]
     ahead = sum(r >= 1.0 if higher_is_better else r <= 1.0 for r in ratios)
