@@ -216,6 +216,44 @@ def test_the_queue_tabulates_no_event_history(monkeypatch):
     assert tables == []
 
 
+def test_the_idle_queue_looks_for_requests_every_10_ms_not_every_millisecond(monkeypatch):
+    """Gradio's queue sleeps 1 ms between looks while nothing waits; the app makes it 10 ms (under
+    load those looks took the interpreter from the decoder). Checked by what the queue's loop
+    actually sleeps, so a gradio that stops reading the setting fails here."""
+    import asyncio
+
+    import gradio as gr
+    import gradio.queueing
+
+    import app
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds, *args, **kwargs):
+        slept.append(seconds)
+        return await real_sleep(seconds, *args, **kwargs)
+
+    monkeypatch.setattr(gradio.queueing.asyncio, "sleep", sleep)
+    for name in app.GRADIO_QUEUE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert app.QUEUE_IDLE_POLL_S == 0.01
+    monkeypatch.setattr(app, "QUEUE_IDLE_POLL_S", 0.0123)  # a value nothing else in gradio sleeps
+    def echo(text: str) -> str:
+        return text
+
+    with gr.Blocks() as demo:
+        gr.api(echo, api_name="echo")
+    app.start_queue(demo, 4)
+    demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        time.sleep(0.5)
+    finally:
+        demo.close()
+    assert slept.count(0.0123) >= 10, slept[:20]
+    assert 0.001 not in slept
+
+
 @pytest.mark.slow
 def test_cli_refuses_a_model_it_cannot_use(tmp_path):
     missing = tmp_path / "no-such-model"

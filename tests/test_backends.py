@@ -453,6 +453,21 @@ def test_single_step_session_runs_without_an_arena_and_the_heap_can_be_trimmed(t
     assert trim_heap() is True  # glibc here: the app gives free heap back after each request
 
 
+def test_the_heap_trimmer_trims_at_most_once_per_interval(monkeypatch):
+    import backends.memory as memory
+
+    trims, now = [], [100.0]
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(now[0]) or True)
+    trimmer = memory.HeapTrimmer(1.0, clock=lambda: now[0])
+    calls = []
+    for t in (100.0, 100.4, 100.99, 101.0, 101.5, 103.0):
+        now[0] = t
+        calls.append(trimmer())
+    assert calls == [True, False, False, True, False, True] and trims == [100.0, 101.0, 103.0]
+    with pytest.raises(ValueError, match="min_interval_s"):
+        memory.HeapTrimmer(-1)
+
+
 def test_sessions_leave_the_residual_add_and_layer_norm_unfused_on_the_cpu(tiny_export_dir, tmp_path, monkeypatch):
     """ORT's SkipLayerNormalization kernel is slower on the CPU than Add + LayerNormalization
     (backends/ort_session.py): our sessions turn that fusion off, and only that one."""

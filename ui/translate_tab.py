@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from backends.memory import trim_heap
+from backends.memory import HeapTrimmer
 from service.batcher import Batcher
 from service.translate import default_backend, translate_batch
 
@@ -36,8 +36,8 @@ def build(loaded: Loaded) -> None:
         )
         return [a.to_json() for a in answers]
 
-    # The heap is trimmed after each batch, once its callers have their answers.
-    batcher = Batcher(decode, loaded.batching, name="translate-batcher", after_batch=trim_heap)
+    # The heap is trimmed once its callers have their answers, after at most one batch a second.
+    batcher = Batcher(decode, loaded.batching, name="translate-batcher", after_batch=HeapTrimmer(1.0))
 
     with gr.Tab("Translate", id="translate", elem_id="tab-translate") as tab:
         gr.Markdown(
