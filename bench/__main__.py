@@ -248,6 +248,16 @@ def locate(args) -> int:
     return locate_mod.run(args.export_dir, args.backend, args.text, step, args.json, args.threads, args.max_new_tokens)
 
 
+def fp16_weights(args) -> int:
+    from .fp16_weights import round_weights
+
+    counts = round_weights(args.export_dir, args.out, args.part)
+    for name, n in counts.items():
+        print(f"{name}: {n:,} weights rounded to fp16 ({args.part})")
+    print(f"wrote {args.out}; compare: python -m bench quality --model {args.out} --backends pytorch,ort_fp32_kv_cache")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -394,6 +404,14 @@ def main(argv=None) -> int:
     cp.add_argument("--out", type=Path, default=RESULTS / "load-curve")
     cp.add_argument("app_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     cp.set_defaults(func=load_curve)
+
+    fp = sub.add_parser("fp16-weights", help="a copy of an export whose fp32 graphs carry fp16-rounded weights, "
+                        "to tell the weights' rounding from fp16 arithmetic (then `quality` on the copy)")
+    fp.add_argument("export_dir", type=Path)
+    fp.add_argument("--out", type=Path, required=True, help="a new folder for the copy")
+    fp.add_argument("--part", default="all", help="which weights: all, encoder, decoder, large (matrices of at "
+                    "least 65,536 values), small (the rest), all-but-output (default: all)")
+    fp.set_defaults(func=fp16_weights)
 
     xp = sub.add_parser("locate", help="which module of a backend's graph drifted from PyTorch at one step")
     xp.add_argument("export_dir", type=Path)

@@ -193,3 +193,41 @@ def test_unguarded_fp16_overflows_and_the_export_fails_naming_the_node(tmp_path)
     assert data["fp16"]["guard"]["mode"] == "none"
     with pytest.raises(ManifestError, match="failed its verification"):
         load_manifest(rejected)
+
+
+def test_fp16_weights_copy_rounds_only_the_chosen_weights_and_still_loads(tiny_export_dir, tmp_path):
+    """`bench fp16-weights`: the copy's chosen fp32 weights are their nearest fp16 values (stored as
+    float32), the others and every other graph are the original's bytes, and the sidecar's hashes
+    let the copy load and translate."""
+    from bench.fp16_weights import round_to_fp16, round_weights
+
+    big = np.array([1.0001, -3.14159, 70000.0, -1e9, 1e-8], dtype=np.float32)
+    rounded = round_to_fp16(big)
+    assert rounded[0] == np.float32(np.float16(1.0001)) != big[0]  # fp16's precision, as float32
+    assert list(rounded[2:4]) == [70000.0, -1e9]  # outside fp16's range: left as they are
+    assert rounded.dtype == np.float32
+
+    out = tmp_path / "encoder-rounded"
+    counts = round_weights(tiny_export_dir, out, "encoder")
+    source, copy = load_manifest(tiny_export_dir), load_manifest(out)
+    enc, dec = source.graph("encoder")["file"], source.graph("decoder")["file"]
+    assert counts[enc] > 0 and counts[dec] == 0
+    assert (out / dec).read_bytes() == (tiny_export_dir / dec).read_bytes()
+    before = {t.name: numpy_helper.to_array(t) for t in onnx.load(tiny_export_dir / enc).graph.initializer
+              if t.data_type == TensorProto.FLOAT}
+    after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / enc).graph.initializer
+             if t.data_type == TensorProto.FLOAT}
+    assert before.keys() == after.keys()
+    changed = 0
+    for name, values in before.items():
+        np.testing.assert_array_equal(after[name], round_to_fp16(values))
+        changed += int((after[name] != values).sum())
+    assert changed > 0  # random weights are not fp16 values already
+    copy.verify_graph("encoder")  # the sidecar records the new file
+    backend = load_backends(out, names=("ort_fp32_kv_cache",), session=SessionConfig(threads=1))["ort_fp32_kv_cache"]
+    assert backend.translate(["Open the file."], num_beams=1, max_new_tokens=4)[0].token_ids
+
+    with pytest.raises(ValueError, match="exists"):
+        round_weights(tiny_export_dir, out, "all")
+    with pytest.raises(ValueError, match="expected one of: all, encoder, decoder"):
+        round_weights(tiny_export_dir, tmp_path / "other", "middle")
