@@ -2,6 +2,8 @@
 
 - none: every MatMul and embedding int8 (the graph int8 always had).
 - N: the N most sensitive nodes (`int8_sensitivity.measure`'s ranking) stay in fp32.
+- N+rescore: the N most sensitive nodes other than the output layer stay in fp32, and the output
+  layer's K best logits are recomputed in fp32 (`int8_rescore.py`): the curve's "N + re-score" rows.
 - auto: sensitivity per unit of per-token cost. A decoding step reads the decoder graph's weights
   once per generated token; the encoder graph (cross-attention K/V projections included) runs once
   per sentence and an embedding Gather reads one row per token, so keeping those in fp32 costs
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 import tempfile
+import re
 from pathlib import Path
 
 import onnx
@@ -27,7 +30,7 @@ from families import shape_of
 from . import int8_sensitivity
 from .int8_rescore import DEFAULT_TOP, output_layer
 
-CHOICES = "auto, none, or a count N >= 0"
+CHOICES = "auto, none, a count N >= 0, or N+rescore"
 CALIBRATION_SENTENCES = 64
 AUTO_TARGET = 0.95
 AUTO_STEP_BUDGET = 0.20
@@ -40,6 +43,8 @@ def parse_keep(value: str | int) -> str | int:
         return text
     if text.isdigit():
         return int(text)
+    if match := re.fullmatch(r"(\d+)\s*\+\s*rescore", text):
+        return f"{int(match[1])}+rescore"
     raise ValueError(f"--int8-keep {value!r}: expected one of: {CHOICES}")
 
 
@@ -56,10 +61,14 @@ def per_step(s: int8_sensitivity.Sensitivity) -> bool:
     return s.item.graph == "decoder" and s.item.op == "MatMul"
 
 
+def _is_output_layer(folder: Path, ranking: list) -> list[bool]:
+    head = output_layer(onnx.load(str(folder / "decoder.onnx"), load_external_data=False)).name
+    return [s.item.graph == "decoder" and s.item.node == head for s in ranking]
+
+
 def _auto(folder: Path, shape: dict, calib, measured: dict, threads, log) -> tuple[list, int, dict]:
     ranking, sentences = measured["ranking"], measured["sentences"]
-    head = output_layer(onnx.load(str(folder / "decoder.onnx"), load_external_data=False)).name
-    is_head = [s.item.graph == "decoder" and s.item.node == head for s in ranking]
+    is_head = _is_output_layer(folder, ranking)
     rescore = DEFAULT_TOP if any(h and s.margin_error_removed > 0 for s, h in zip(ranking, is_head)) else 0
     kept = [s for s, h in zip(ranking, is_head) if not h and not per_step(s) and s.margin_error_removed > 0]
     steps = [s for s, h in zip(ranking, is_head) if not h and per_step(s) and s.margin_error_removed > 0]
@@ -108,6 +117,13 @@ def choose(folder: Path, shape: dict, calib: int8_sensitivity.Calibration | None
         chosen, rescore, outcome = _auto(Path(folder), shape, calib, measured, threads, log)
         section["auto"] = outcome
         rule = outcome["rule"]
+    elif isinstance(keep, str):  # "N+rescore"
+        count = int(keep.split("+")[0])
+        chosen = [s for s, head in zip(ranking, _is_output_layer(Path(folder), ranking)) if not head][:count]
+        rescore = DEFAULT_TOP
+        rule = (f"N = {count} + re-score: the {len(chosen)} most sensitive nodes other than the output layer"
+                f"{'' if len(chosen) == count else ' (all there are)'}, the output layer's {rescore} best logits "
+                "re-scored in fp32")
     else:
         chosen, rescore = ranking[:keep], 0
         rule = f"N = {keep}: the {len(chosen)} most sensitive nodes"

@@ -38,7 +38,7 @@ class ExportOptions:
     external_data: bool | None = None
     # What stays fp32 in the fp16 graphs (export/fp16_guard.py): measured by default.
     fp16_keep: Fp16Keep = Fp16Keep()
-    # int8 nodes kept in fp32: "none", "auto" or a count, by measured sensitivity (export/int8_choice.py).
+    # int8 nodes kept in fp32: "none", "auto", a count or "N+rescore", by measured sensitivity (export/int8_choice.py).
     int8_keep: str = "none"
     # The single-step graph repeats every weight in a file of its own and serves only the naive
     # baseline backend; at billions of parameters a user may leave it out (said so in the sidecar).

@@ -66,6 +66,28 @@ def test_keep_n_leaves_exactly_those_matmuls_in_fp32(tiny_export_dir, tiny_ranki
     assert sum(n.op_type in QUANTIZED for n in graph.node) == count - len(kept)
 
 
+def test_keep_n_plus_rescore_keeps_the_n_most_sensitive_but_the_output_layer_and_rescores_it(
+        tiny_export_dir, tiny_ranking, monkeypatch):
+    """`--int8-keep N+rescore`, the curve's "N + re-score" rows as an export choice: the output layer
+    stays int8 with its best logits re-scored, and N nodes from the rest of the ranking are kept."""
+    from export.int8_rescore import DEFAULT_TOP, output_layer
+
+    head = output_layer(onnx.load(str(tiny_export_dir / "decoder.onnx"), load_external_data=False)).name
+    ranking = tiny_ranking["ranking"]
+    # The output layer first, so that "the N most sensitive" and "N but the output layer" differ here.
+    first = [s for s in ranking if s.item.graph == "decoder" and s.item.node == head]
+    assert first, "the tiny decoder's output layer is quantized, so it is ranked"
+    measured = {**tiny_ranking, "ranking": first + [s for s in ranking if s not in first]}
+    monkeypatch.setattr(int8_choice.int8_sensitivity, "measure", lambda *a, **k: measured)
+    others = [s.item.node for s in measured["ranking"][1:]]
+    choice = int8_choice.choose(tiny_export_dir, {}, None, "3+rescore", log=quiet)
+    assert choice["option"] == "3+rescore" and choice["rescore"] == DEFAULT_TOP
+    assert [k["node"] for k in choice["kept"]] == others[:3] and head not in others[:3]
+    assert "re-scored" in choice["rule"]
+    plain = int8_choice.choose(tiny_export_dir, {}, None, 3, log=quiet)
+    assert plain["rescore"] == 0 and plain["kept"][0]["node"] == head
+
+
 def test_keep_a_gather_leaves_that_embedding_in_fp32(tiny_export_dir, tmp_path):
     encoder = onnx.load(str(tiny_export_dir / "encoder.onnx"), load_external_data=False)
     (gather,) = [i for i in quantize.quantizable("encoder", encoder) if i.op == "Gather"]
@@ -110,13 +132,13 @@ def test_unknown_node_to_keep_is_refused(tiny_export_dir, tmp_path):
         quantize.quantize_int8(tiny_export_dir / "decoder.onnx", tmp_path / "x.onnx", keep={"no_such_node"})
 
 
-@pytest.mark.parametrize("value", ["most", "-1", "2.5", ""])
+@pytest.mark.parametrize("value", ["most", "-1", "2.5", "", "rescore", "+rescore", "2+rescale"])
 def test_bad_int8_keep_is_refused_naming_the_choices(value, tmp_path, capsys):
     from export.__main__ import main
     from export.pipeline import ExportOptions
 
-    assert int8_choice.CHOICES == "auto, none, or a count N >= 0"
-    with pytest.raises(ValueError, match="expected one of: auto, none, or a count"):
+    assert int8_choice.CHOICES == "auto, none, a count N >= 0, or N+rescore"
+    with pytest.raises(ValueError, match="expected one of: auto, none, a count N >= 0, or N\\+rescore"):
         ExportOptions(out=tmp_path / "x", int8_keep=value)
     assert main(["nowhere", "--out", str(tmp_path / "x"), "--int8-keep", value]) == 2
     assert f"expected one of: {int8_choice.CHOICES}" in capsys.readouterr().err
@@ -125,8 +147,9 @@ def test_bad_int8_keep_is_refused_naming_the_choices(value, tmp_path, capsys):
 def test_int8_keep_values_are_normalised_once():
     from export.pipeline import ExportOptions
 
-    values = ("AUTO", " none", "3", 2)
-    assert [ExportOptions(out="x", int8_keep=v).int8_keep for v in values] == ["auto", "none", "3", "2"]
+    values = ("AUTO", " none", "3", 2, "32 + ReScore", "04+rescore")
+    assert [ExportOptions(out="x", int8_keep=v).int8_keep for v in values] == \
+        ["auto", "none", "3", "2", "32+rescore", "4+rescore"]
 
 
 def _make_kept(tiny_model_dir, folder):
