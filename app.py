@@ -29,7 +29,8 @@ from corpus import read_sentences
 from families import FAMILIES
 from service import RequestLimits
 from service.batcher import BatchPolicy
-from service.translate import MAX_REQUESTS
+from service.http_api import AppTranslateRoute
+from service.translate import MAX_REQUESTS, default_backend, translate_batcher
 from ui import benchmark_tab, compare_tab, locate_render, spotcheck_tab, translate_tab
 from ui.compare_render import CSS, LABELS
 from ui.state import REPO, Loaded, model_heading
@@ -55,6 +56,10 @@ def build_app(loaded: Loaded) -> gr.Blocks:
     spot-check and Translate tabs. Every tab's model work shares one slot (concurrency_id "model"),
     except Translate's requests, which have their own ("translate") and are batched by its batcher."""
     names = loaded.names
+    if loaded.translator is None:
+        loaded.translator = translate_batcher(
+            loaded.backends, loaded.batching, default=default_backend(loaded.backends), limits=loaded.limits,
+            max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic)
     heading = model_heading(loaded.manifest)  # "NLLB-200 eng_Latn→zho_Hans", "Marian en→zh"
     with gr.Blocks(title=f"{heading}: PyTorch vs ONNX Runtime") as demo:
         failed = ", ".join(LABELS.get(n, n) for n in loaded.load_errors)
@@ -250,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         theme=gr.themes.Soft(),
         show_error=True,
         enable_monitoring=False,
+        prevent_thread_lock=True,  # the HTTP route joins the server launch made, then the process waits
     )
+    # POST /translate (service/http_api.py): as many in flight as the Gradio API takes, running and queued.
+    AppTranslateRoute(loaded.translator.submit, MAX_REQUESTS + args.queue_size).mount(demo.app)
+    demo.block_thread()
     return 0
 
 

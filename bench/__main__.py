@@ -6,7 +6,7 @@
                           [--external NAME=DIR ...] [--out DIR]
   python -m bench table RESULTS_DIR       # a speed run's compact table with ratios, for the README
   python -m bench load    (--url URL [--pid PID] | --launch [-- APP_ARGS]) [--users 16] [--requests 400] [--out DIR]
-                          [--target compare|translate|serve] [--duration S] [--baseline-export DIR]
+                          [--target compare|translate|http|serve] [--duration S] [--baseline-export DIR]
   python -m bench load-curve (--url URL [--pid PID] | --launch [-- APP_ARGS]) --backends A,B [--users 1,2,...,64]
                           [--duration 30] [--out DIR]
   python -m bench locate  EXPORT_DIR --backend NAME --text "..." [--step N|max] [--json OUT] [--max-new-tokens N]
@@ -355,7 +355,8 @@ def main(argv=None) -> int:
     lp.add_argument("--requests", type=int, default=400, help="requests in all, busy rejections included (with "
                     "--duration: at most)")
     lp.add_argument("--target", choices=LOAD_TARGETS, default="compare",
-                    help="the endpoint: compare (every backend), translate (one sentence per request, batched) or "
+                    help="the endpoint: compare (every backend), translate (one sentence per request, batched, "
+                    "through Gradio's queue), http (the same batched translate as the app's POST /translate) or "
                     "serve (the translate API on Ray Serve: --url http://HOST:PORT/translate)")
     lp.add_argument("--duration", type=float, help="send requests for this many seconds after the warm-up")
     lp.add_argument("--rate", type=float, help="open loop: requests arrive at this many per second whatever the "

@@ -1,6 +1,6 @@
 """python -m bench load: many users at once against the app's `compare` endpoint (through gradio_client),
-its `translate` endpoint (through the Gradio queue's own HTTP protocol, `load_client.py`), or the same
-`translate` API on Ray Serve (`python -m service.serve`), over HTTP.
+its `translate` endpoint (through the Gradio queue's own HTTP protocol, `load_client.py`, or as plain
+HTTP JSON), or the same `translate` API on Ray Serve (`python -m service.serve`), over HTTP.
 
 Each user is one client (its own session) in its own thread, sending one request
 at a time and the next as soon as the answer is in (a closed loop). Every request ends as exactly
@@ -27,10 +27,12 @@ Time per request, from three clocks:
 
 `--target translate` sends one sentence per request to the `translate` endpoint (the app's default
 backend and decoding), which Gradio batches; each answer's `batch.decoded_together` is recorded.
-`--target serve` sends the same requests as JSON POSTs to `python -m service.serve`'s endpoint (`--url
-http://HOST:8000/translate`, one keep-alive HTTP connection per user), which Ray Serve batches: 200 is
-read as the translate answer, 503 (Ray Serve's queue is full) is busy, 422 is `refused`, any other
-status is an error of kind `http_STATUS`; there is no queue wait or service phase to read.
+`--target http` sends the same requests as JSON POSTs to the app's own `POST /translate` (under `--url`,
+or the app `--launch` starts; `service/http_api.py`), the same batcher without Gradio's queue protocol;
+`--target serve` sends them to `python -m service.serve`'s endpoint (`--url http://HOST:8000/translate`),
+which Ray Serve batches. Both: one keep-alive HTTP connection per user; 200 is read as the translate
+answer, 503 (the server is full) is busy, 422 is `refused`, any other status is an error of kind
+`http_STATUS`; there is no queue wait or service phase to read.
 `duration_s` runs for that many seconds after the warm-up instead of a number of requests.
 
 For compare, the status times are stamped by gradio_client's per-job worker, which polls for messages
@@ -46,17 +48,19 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
-from urllib.parse import urlparse
+from typing import Any, Callable
+from urllib.parse import urljoin, urlparse
 
 from corpus import default_sample
 from service.environment import environment
+from service.http_api import ROUTE
 
 from .data import DEFAULT_TSV
 from .load_results import OUTCOMES, collect, cpu_s
 
-TARGETS = ("compare", "translate", "serve")
-BATCHED = ("translate", "serve")  # the targets answering with the translate JSON
+TARGETS = ("compare", "translate", "http", "serve")
+BATCHED = ("translate", "http", "serve")  # the targets answering with the translate JSON
+POSTED = ("http", "serve")  # the targets taking one JSON POST per request (service/http_api.py)
 ARRIVALS = ("poisson", "fixed")
 CANCEL_GRACE_S = 10.0  # a cancelled job settles in well under a second when the app is alive
 
@@ -281,7 +285,7 @@ def _judge(req: Request, check: Callable[[], str | None], failed_kind: str,
 
 def one_request(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
     """Send one request and wait for its outcome, never longer than options.timeout_s."""
-    if options.target == "serve":
+    if options.target in POSTED:
         return _one_post(client, text, req, options, t0)
     if options.target == "translate":
         return _one_queued(client, text, req, options, t0)
@@ -333,13 +337,13 @@ def _one_queued(client, text: str, req: Request, options: LoadOptions, t0: float
 
 
 def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) -> Request:
-    """`one_request` for the serve target: one JSON POST to the endpoint on the user's httpx.Client."""
+    """`one_request` for the http and serve targets: one JSON POST to the endpoint on the user's `_Poster`."""
     import httpx
 
     req.start_s = round(time.monotonic() - t0, 3)
     start = time.perf_counter()
     try:
-        r = client.post(options.url, json={"text": text, "backend": options.backend}, timeout=options.timeout_s)
+        r = client.http.post(client.url, json={"text": text, "backend": options.backend}, timeout=options.timeout_s)
     except httpx.TimeoutException:
         req.kind, req.message = "timeout", f"no answer in {options.timeout_s:g} s"
     except Exception as e:  # the load test's job is to count what the server answers, by kind
@@ -361,17 +365,34 @@ def _one_post(client, text: str, req: Request, options: LoadOptions, t0: float) 
     return req
 
 
+@dataclass
+class _Poster:
+    """One user of a JSON POST endpoint: its own keep-alive connection, and the endpoint's URL."""
+
+    http: Any
+    url: str
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def post_url(url: str, target: str) -> str:
+    """Where the http and serve targets POST: the app's route under its URL; Ray Serve's URL as given."""
+    return urljoin(url if url.endswith("/") else url + "/", ROUTE.lstrip("/")) if target == "http" else url
+
+
 def _clients(url: str, options: LoadOptions) -> list:
-    """One client per user: httpx's for the serve target, the queue protocol's for translate, gradio_client's
-    for compare (a streaming endpoint, whose diffs gradio_client applies)."""
+    """One client per user: httpx's for the http and serve targets, the queue protocol's for translate,
+    gradio_client's for compare (a streaming endpoint, whose diffs gradio_client applies)."""
     # httpx verifies TLS by loading the CA bundle again on every POST, CPU which
     # on a small machine the load generator would take from the app it measures; plain http needs none.
     ssl_verify = urlparse(url).scheme == "https"
-    if options.target == "serve":
+    if options.target in POSTED:
         import httpx
 
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        return [httpx.Client(verify=ssl_verify, limits=limits) for _ in range(options.users)]
+        return [_Poster(httpx.Client(verify=ssl_verify, limits=limits), post_url(url, options.target))
+                for _ in range(options.users)]
     if options.target == "translate":
         from .load_client import QueueClient
 

@@ -4,7 +4,8 @@ Each replica is one Ray actor process that loads the export once, with its own O
 session (`--threads` intra-op threads, and as many Ray CPUs reserved for it). Requests waiting at
 a replica are gathered by `@serve.batch` (up to `--max-batch-size`, waiting at most
 `--batch-wait-s` for more) and decoded by `service.translate.translate_batch`, the app's own
-batched request, so every answer is the one the app's `translate` API gives:
+batched request, so every answer is the one the app's `translate` API gives, with the app's HTTP
+contract (`service/http_api.py`), plus Ray Serve's own answers:
 
     POST /translate  {"text": "...", "num_beams": null|1..8, "backend": null|NAME}
     200  the answer JSON (`TranslateAnswer.to_json`); header x-serve-node: the Ray node that answered
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
@@ -40,6 +40,7 @@ from typing import Any
 
 from backends import BACKEND_NAMES
 
+from .http_api import ROUTE, parse_request, status_for
 from .limits import RequestLimits
 from .translate import MAX_REQUESTS
 
@@ -47,8 +48,6 @@ logger = logging.getLogger("service.serve")
 
 APP_NAME = "translate"
 DEPLOYMENT = "Translator"
-ROUTE = "/translate"
-FIELDS = ("text", "num_beams", "backend")  # what the app's translate API takes, in its order
 HEALTH_TEXT = "Hello."
 REPO = Path(__file__).resolve().parents[1]
 # What a node needs of the repository is its code (as the corpus engine ships it): the rest stays here.
@@ -100,29 +99,6 @@ class ServeOptions:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def parse_request(body: bytes) -> dict[str, Any]:
-    """The request's fields from a POST body, or ValueError saying what is wrong (answered 400)."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"the body is not JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object with fields {', '.join(FIELDS)}; got {type(data).__name__}")
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)}; expected: {', '.join(FIELDS)}")
-    if not isinstance(data.get("text"), str):
-        raise ValueError(f"`text` must be a string, got {type(data.get('text')).__name__}")
-    return {name: data.get(name) for name in FIELDS}
-
-
-def status_for(answer) -> int:
-    """The HTTP status of one `TranslateAnswer`."""
-    if answer.error is None:
-        return 200
-    return 422 if answer.refused else 500
 
 
 class Translator:

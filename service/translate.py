@@ -262,6 +262,23 @@ def _decode(backend: Backend, options: DecodeOptions, answers: list[TranslateAns
         a.error = non_finite_error(a.translations)
 
 
+def translate_batcher(backends: dict[str, Backend], policy, *, default: str | None, limits: RequestLimits,
+                      max_new_tokens: int | None, traffic: Traffic | None):
+    """The app's one `Batcher` for translate requests: items (text, num_beams, backend), answers
+    `TranslateAnswer`s, every batch through `translate_batch`; the heap trimmed after at most one
+    batch a second, once its callers have their answers. The Gradio API and the HTTP route share it."""
+    from backends.memory import HeapTrimmer
+
+    from .batcher import Batcher
+
+    def decode(requests: list[tuple]) -> list[TranslateAnswer]:
+        texts, beams, names = (list(column) for column in zip(*requests))
+        return translate_batch(backends, texts, beams, names, default=default, limits=limits,
+                               max_new_tokens=max_new_tokens, traffic=traffic)
+
+    return Batcher(decode, policy, name="translate-batcher", after_batch=HeapTrimmer(1.0))
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield

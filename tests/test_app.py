@@ -148,6 +148,35 @@ def test_translate_refuses_a_bad_request_without_failing_its_batch(client):
     assert unknown["text"] is None and unknown["error"].startswith("unknown backend 'ort_nonesuch'; expected one of: ")
 
 
+def test_the_http_route_answers_as_the_gradio_api_with_the_contracts_statuses(client, app_url):
+    """POST /translate on the app's own server (service/http_api.py): the same batcher and answer as
+    the Gradio `translate` API; a refusal is 422 with its JSON, a malformed body 400."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(app_url + "translate", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=600) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    exact = "ort_fp32_kv_cache"
+    status, answer = post(json.dumps({"text": SENTENCE, "backend": exact}).encode())
+    gradio = client.predict(SENTENCE, None, exact, api_name="/translate")
+    assert status == 200 and answer["error"] is None and answer["text"] == gradio["text"]
+    assert answer["segments"] == gradio["segments"] and answer["decoding"] == gradio["decoding"]
+    status, refused = post(json.dumps({"text": "   "}).encode())
+    assert status == 422 and refused["text"] is None and "the input is empty" in refused["error"]
+    for body, message in ((b"[1]", "expected a JSON object"), (b'{"txt": "x"}', "unknown field(s) txt"),
+                          (b"not json", "the body is not JSON")):
+        status, bad = post(body)
+        assert status == 400 and message in bad["error"], (body, bad)
+
+
 def test_compare_says_when_its_timings_overlapped_translate_traffic(client):
     busy = client.submit(BUSY_TEXT, 1, api_name="/translate")
     time.sleep(0.3)

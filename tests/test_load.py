@@ -36,7 +36,7 @@ from bench.load_results import memory_change, summary
         (dict(url="http://x/", busy_backoff_s=-1), "busy_backoff_s must be 0 or more"),
         (dict(url="http://x/", repeat=21), "--repeat must be in 1..20"),
         (dict(url="http://x/", rss_every=0), "--rss-every must be at least 1"),
-        (dict(url="http://x/", target="nope"), "--target must be one of compare, translate, serve, got 'nope'"),
+        (dict(url="http://x/", target="nope"), "--target must be one of compare, translate, http, serve, got 'nope'"),
         (dict(launch_args=(), target="serve"), "--target serve drives a running `python -m service.serve`"),
         (dict(url="http://x/", target="serve", repeat=2), "--repeat is the compare endpoint's; serve runs"),
         (dict(url="http://x/", duration_s=0), "--duration must be positive"),
@@ -44,7 +44,7 @@ from bench.load_results import memory_change, summary
         (dict(url="http://x/", rate=5, arrivals="bursty"), "--arrivals must be one of poisson, fixed"),
         (dict(url="http://x/", rate=5, think_s=1), "--think and --busy-backoff are the closed loop's"),
         (dict(url="http://x/", target="translate", repeat=2), "--repeat is the compare endpoint's"),
-        (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate or serve"),
+        (dict(url="http://x/", baseline_export=Path("x")), "--baseline-export is for --target translate or http or serve"),
         (dict(url="http://x/", baseline_batches=(32, 0)), "--baseline-batches must be whole numbers of at least 1"),
         (dict(url="http://x/", baseline_batches=()), "--baseline-batches must be whole numbers of at least 1"),
         (dict(url="http://x/", baseline_rounds=0), "--baseline-rounds must be at least 1, got 0"),
@@ -263,13 +263,19 @@ def serve_stub():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     statuses = [200, 422, 500, 503]
-    seen = []
+
+    class Seen(list):
+        paths: list[str] = []
+
+    seen = Seen()
+    seen.paths = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             text = json.loads(self.rfile.read(int(self.headers["content-length"])))["text"]
             status = statuses[len(seen) % len(statuses)]
             seen.append(text)
+            seen.paths.append(self.path)
             ok = {"text": "点击确定。", "error": None, "backend": "ort_fp32_kv_cache",
                   "decoding": {"strategy": "greedy", "num_beams": 1, "max_new_tokens": 511},
                   "segments": [{"text": text, "translation": "点击确定。", "stop_reason": "eos"}], "warnings": [],
@@ -312,6 +318,21 @@ def test_the_serve_target_counts_each_status_as_its_outcome(serve_stub):
 
     assert "RSS" not in summary_table(r)  # no --pid: no memory read, none reported as None
     assert memory_lines(r) == ["Not sampled: give `--pid PID` with `--url`, or use `--launch`."]
+
+
+def test_the_http_target_posts_to_the_apps_route_under_its_url(serve_stub):
+    """--target http takes the app's URL (as --launch gives it) and POSTs to its /translate, read
+    as the serve target reads Ray Serve's answers; serve's URL is the endpoint itself."""
+    from bench.load import post_url
+
+    assert post_url("http://h:7860/", "http") == post_url("http://h:7860", "http") == "http://h:7860/translate"
+    assert post_url("http://h:8000/translate", "serve") == "http://h:8000/translate"
+    endpoint, seen = serve_stub
+    app = endpoint.removesuffix("translate")
+    r = drive(app, LoadOptions(url=app, users=1, requests=8, warmup=0, target="http", busy_backoff_s=0),
+              pid=None, log=_quiet)
+    assert len(seen) == 8 and r["target"] == "http" and set(seen.paths) == {"/translate"}
+    assert (r["counts"]["ok"], r["counts"]["busy"], r["counts"]["error"]) == (2, 2, 4), r["counts"]
 
 
 def test_a_run_with_a_duration_stops_sending_when_it_is_up(stub):

@@ -64,7 +64,7 @@ def ask(url: str, text: str, **fields) -> tuple[int, dict, dict]:
     (b"\xff\xfe", "not JSON"),
 ])
 def test_a_body_that_is_not_a_request_is_named(body, says):
-    from service.serve import parse_request
+    from service.http_api import parse_request
 
     with pytest.raises(ValueError) as e:
         parse_request(body)
@@ -72,9 +72,51 @@ def test_a_body_that_is_not_a_request_is_named(body, says):
 
 
 def test_a_request_takes_the_apps_fields():
-    from service.serve import parse_request
+    from service.http_api import parse_request
 
     assert parse_request(b'{"text": "Hi.", "num_beams": 4}') == {"text": "Hi.", "num_beams": 4, "backend": None}
+
+
+def test_the_apps_route_turns_a_request_away_while_it_is_full_and_answers_a_failed_batch():
+    """`AppTranslateRoute` with room for one request: a second, while the first waits, is answered
+    503 at once; once the first is answered there is room again; a batch that failed is a 500."""
+    import threading
+
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from service.batcher import BatchFailed
+    from service.http_api import AppTranslateRoute
+    from service.translate import TranslateAnswer
+
+    release, started = threading.Event(), threading.Event()
+
+    def submit(item):
+        text, _, _ = item
+        if text == "boom":
+            raise BatchFailed("the batch of 2 requests this one was part of failed: RuntimeError: broke")
+        started.set()
+        assert release.wait(10)
+        return TranslateAnswer(backend="ort_fp32_kv_cache", error=None)
+
+    app = Starlette()
+    AppTranslateRoute(submit, max_in_flight=1).mount(app)
+    with TestClient(app) as http:
+        first: dict = {}
+        waiting = threading.Thread(target=lambda: first.update(r=http.post("/translate", json={"text": "a"})))
+        waiting.start()
+        assert started.wait(10)
+        full = http.post("/translate", json={"text": "b"})
+        assert full.status_code == 503 and "the server is full: 1 requests in flight, it takes 1" in full.json()["error"]
+        release.set()
+        waiting.join(10)
+        assert first["r"].status_code == 200 and first["r"].json()["backend"] == "ort_fp32_kv_cache"
+        assert http.post("/translate", json={"text": "c"}).status_code == 200  # room again
+        failed = http.post("/translate", json={"text": "boom"})
+        assert failed.status_code == 500 and "BatchFailed" in failed.json()["error"]
+        assert http.get("/translate").status_code == 405
+    with pytest.raises(ValueError, match="at least 1"):
+        AppTranslateRoute(submit, max_in_flight=0)
 
 
 def test_importing_it_imports_no_ray():
@@ -104,7 +146,7 @@ def test_options_are_checked_once_naming_the_choices(tiny_export_dir):
 
 
 def test_refused_and_failed_answers_get_their_own_status(tiny_backends):
-    from service.serve import status_for
+    from service.http_api import status_for
     from service.translate import translate_batch
 
     ok, empty, unknown = translate_batch({BACKEND: tiny_backends[BACKEND]}, ["Hello.", "  ", "Hi."],

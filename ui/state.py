@@ -33,6 +33,9 @@ class Loaded:
     limits: RequestLimits = RequestLimits()  # characters, segments and seconds per backend of one request
     traffic: Traffic = field(default_factory=Traffic)  # translate decodes, so Compare's timings can say they overlapped
     batching: BatchPolicy = BatchPolicy(MAX_REQUESTS)  # how the translate endpoint's requests are batched
+    # The translate requests' batcher (service.translate.translate_batcher), shared by the Gradio API
+    # and the HTTP route; app.build_app makes it when None.
+    translator: Any = None
 
     @property
     def names(self) -> list[str]:

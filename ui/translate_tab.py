@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from backends.memory import HeapTrimmer
-from service.batcher import Batcher
-from service.translate import default_backend, translate_batch
+from service.translate import default_backend
 
 from .compare_render import LABELS
 from .compare_tab import decoding_choices
@@ -27,17 +25,7 @@ def build(loaded: Loaded) -> None:
     why = ("the fastest backend the export's verification found token-identical to PyTorch"
            if default else "this export records no verification: choose a backend")
 
-    def decode(requests: list[tuple]) -> list[dict]:
-        """One batch of (text, num_beams, backend) requests: one answer each, in order."""
-        texts, beams, backends = (list(column) for column in zip(*requests))
-        answers = translate_batch(
-            loaded.backends, texts, beams, backends, default=default, limits=loaded.limits,
-            max_new_tokens=loaded.max_new_tokens, traffic=loaded.traffic,
-        )
-        return [a.to_json() for a in answers]
-
-    # The heap is trimmed once its callers have their answers, after at most one batch a second.
-    batcher = Batcher(decode, loaded.batching, name="translate-batcher", after_batch=HeapTrimmer(1.0))
+    batcher = loaded.translator  # answers TranslateAnswer objects: see service.translate.translate_batcher
 
     with gr.Tab("Translate", id="translate", elem_id="tab-translate") as tab:
         gr.Markdown(
@@ -61,7 +49,7 @@ def build(loaded: Loaded) -> None:
             raw = gr.JSON(elem_id="translate-json")
 
     def translate_page(text: str, beams, backend_name) -> tuple[str, str, dict]:
-        a = batcher.submit((text, beams, backend_name))
+        a = batcher.submit((text, beams, backend_name)).to_json()
         if a["error"]:
             return "", f"⚠️ **{a['error']}**", a
         others = a["batch"]["decoded_together"] - 1
@@ -84,7 +72,7 @@ def build(loaded: Loaded) -> None:
         config says, 1 is greedy, 2..8 beam search. Returns {"text", "error", "backend", "decoding",
         "segments", "warnings", "batch", "timings_ms"}; a refused request has `error` set and `text`
         null, and requests decoded with it are not affected."""
-        return batcher.submit((text, num_beams, backend))
+        return batcher.submit((text, num_beams, backend)).to_json()
 
     with tab:  # an endpoint with no component; inside a Tab, so gr.Tabs holds only tabs
         gr.api(translate_api, api_name="translate", **slot)
