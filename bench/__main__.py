@@ -253,7 +253,7 @@ def fp16_weights(args) -> int:
 
     counts = round_weights(args.export_dir, args.out, args.part)
     for name, n in counts.items():
-        print(f"{name}: {n:,} weights rounded to fp16 ({args.part})")
+        print(f"{name}: {n:,} weight values rounded to fp16 ({args.part})")
     print(f"wrote {args.out}; compare: python -m bench quality --model {args.out} --backends pytorch,ort_fp32_kv_cache")
     return 0
 

@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                              "calibration text come near fp16's range), none (the converter's own block list), "
                              "or ONNX op types")
     parser.add_argument("--int8-keep", default="none", help="int8 nodes kept in fp32 by their sensitivity, measured on "
-                        "the first 64 --sentences: none (default: every MatMul int8), N (the N most sensitive), N+rescore (the N most "
-                        "sensitive but the output layer, whose best logits are re-scored in fp32), auto "
+                        "the first 64 --sentences: none (default: every MatMul int8), N (the N most sensitive), "
+                        "N+rescore (the N most sensitive but the output layer, whose best logits are re-scored "
+                        "in fp32), auto "
                         "(the once-per-sentence nodes that help, the output layer's best logits re-scored in fp32, "
                         "then decoder-step MatMuls until the agreement target or a weight budget; export/int8_choice.py)")
     args = parser.parse_args(argv)

@@ -19,8 +19,8 @@
 
 from __future__ import annotations
 
-import tempfile
 import re
+import tempfile
 from pathlib import Path
 
 import onnx

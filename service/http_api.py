@@ -59,6 +59,7 @@ class AppTranslateRoute:
 
         self._submit = submit
         self.max_in_flight = max_in_flight
+        # A thread for every request let in: anyio's default pool would hold those past its 40 back.
         self._threads = anyio.CapacityLimiter(max_in_flight)
         self._lock = threading.Lock()
         self._in_flight = 0

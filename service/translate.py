@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends import APPROXIMATE, BACKEND_NAMES, REFERENCE, Backend, DecodeOptions, InputError
+from backends.memory import HeapTrimmer
 
+from .batcher import Batcher
 from .compare import decoding_json
 from .limits import RequestLimits, batches, decoding_for, plan, timed
 from .messages import non_finite_error, warnings_for
@@ -263,14 +265,10 @@ def _decode(backend: Backend, options: DecodeOptions, answers: list[TranslateAns
 
 
 def translate_batcher(backends: dict[str, Backend], policy, *, default: str | None, limits: RequestLimits,
-                      max_new_tokens: int | None, traffic: Traffic | None):
+                      max_new_tokens: int | None, traffic: Traffic | None) -> Batcher:
     """The app's one `Batcher` for translate requests: items (text, num_beams, backend), answers
     `TranslateAnswer`s, every batch through `translate_batch`; the heap trimmed after at most one
     batch a second, once its callers have their answers. The Gradio API and the HTTP route share it."""
-    from backends.memory import HeapTrimmer
-
-    from .batcher import Batcher
-
     def decode(requests: list[tuple]) -> list[TranslateAnswer]:
         texts, beams, names = (list(column) for column in zip(*requests))
         return translate_batch(backends, texts, beams, names, default=default, limits=limits,
