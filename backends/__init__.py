@@ -105,7 +105,8 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES,
     (graph files with their external data; the source model's weights for pytorch) and, on the
     CPU, the fp32 copy ORT makes of each fp16 weight that is not only gathered from (its CPU
     kernels compute in fp32), less the fp16 originals that copy replaces, as the sidecar counts
-    them. An estimate, not a bound either way: activations, ORT's packed weight copies and the KV
+    them; an embedding table that several of its graphs gather counts once (`shared_tables` holds
+    one copy). An estimate, not a bound either way: activations, ORT's packed weight copies and the KV
     caches come on top, while a weight file that is mapped rather than read becomes resident only
     where a decode reads it, and a gathered table (an embedding) is read a few rows at a time
     (peak RSS against these figures is measured in docs/export.md). A backend whose graphs the
@@ -121,10 +122,13 @@ def memory_needs(export_dir: str | Path, names: tuple[str, ...] = BACKEND_NAMES,
         if not GRAPHS.get(name):
             needs[name] = _source_weight_bytes(manifest)
             continue
-        total = 0
+        total, tables = 0, set()
         for graph in GRAPHS[name]:
             entry = manifest.graph(graph)
             total += sum(files[f]["bytes"] for f in [entry["file"], *entry.get("external_data", [])] if f in files)
+            for digest, size in entry.get("gathered_tables", {}).items():
+                total -= size if digest in tables else 0  # the same table in another of its graphs: held once
+                tables.add(digest)
             if cpu:  # an older sidecar without the replaced bytes: the files and the copies, both
                 total += 2 * entry.get("fp16_bytes_widened_on_cpu", 0) - entry.get("fp16_bytes_replaced_on_cpu", 0)
         needs[name] = total

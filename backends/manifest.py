@@ -31,10 +31,11 @@ FORMAT = "marian-onnx-export"
 # 5: the decoder's cache appended inside MultiHeadAttention, q/k/v projections packed (export/rewrite.py)
 # 6: int8 weights in a 7-bit range (export/quantize.py), exact on CPUs without VNNI too
 # 7: the decoder's cross-attention inputs batched by sentence, shared by its beams (export/attention.py)
-FORMAT_VERSION = 7
-FORMAT_CHANGE = ("the decoder reads each sentence's cross-attention keys and values once for all of its beams, "
-                 "not once per beam")
-# The batch dimension of a v7 decoder's cross-attention inputs (keys, values, source mask): one row
+# 8: a tied embedding gathers rows of the (V, d) table, the output layer reads its own (d, V) copy
+FORMAT_VERSION = 8
+FORMAT_CHANGE = ("the decoder's embedding reads one row of the token table per id, not one number from each of "
+                 "d columns")
+# The batch dimension of a (v7 on) decoder's cross-attention inputs (keys, values, source mask): one row
 # per sentence, where its other inputs have one per beam.
 CROSS_BATCH = "sentences"
 GRAPH_NAMES = ("full", "encoder", "decoder", "encoder_fp16", "decoder_fp16", "encoder_int8", "decoder_int8")

@@ -3,8 +3,10 @@
 `pre_transpose_tied_embedding`: a tied output layer is exported as one initializer `W` (V, d) read
 by the embedding `Gather(W, ids)` and by the output layer `MatMul(h, Transpose(W))`. ONNX Runtime
 would fold the Transpose into a second, transposed copy per session, and the int8 quantizer skips
-a MatMul whose weight is not an initializer; storing `W` once, transposed (d, V), fixes both, and
-the embedding becomes `Transpose(Gather(W_t, ids, axis=1))`: bit-identical values.
+a MatMul whose weight is not an initializer; the rewrite stores that copy `W_t` (d, V) in the
+graph for the MatMul, bit-identical values. The Gather keeps reading rows of `W`: a column of `W_t`
+is d numbers a cache line apart. At run time `W` is the encoder's embedding table, held once
+(`backends/shared_tables.py`), and ORT frees `W_t` once it has packed it for the MatMul.
 
 `quantize_gathers`: after ORT's dynamic quantization, every embedding Gather reads int8 numbers
 (the output layer's own, where the table is tied).
@@ -108,32 +110,13 @@ def pre_transpose_tied_embedding(model: onnx.ModelProto, folder: Path | None = N
             transposed = transpose_to_file(inits[weight], folder, t_name)  # (d, V)
         else:
             transposed = numpy_helper.from_array(numpy_helper.to_array(inits[weight]).T.copy(), t_name)  # (d, V)
-        graph.initializer.remove(inits[weight])
         graph.initializer.append(transposed)
-
+        if not others:  # W was only the MatMul's
+            graph.initializer.remove(inits.pop(weight))
         for mm in users:  # MatMul(h, Transpose(W)) -> MatMul(h, W_t)
             mm.input[1] = t_name
         graph.node.remove(tr)
-
-        for g in others:  # Gather(W, ids) (*ids, d) -> Transpose(Gather(W_t, ids, axis=1)) (d, *ids)
-            axis = next((a.i for a in g.attribute if a.name == "axis"), 0)
-            if axis != 0:
-                raise RewriteError(f"embedding Gather {g.name!r} uses axis {axis}, expected 0")
-            rank = _rank(graph, g.input[1])
-            if rank is None:
-                raise RewriteError(f"cannot tell the rank of {g.input[1]!r}, the ids of Gather {g.name!r}")
-            out = g.output[0]
-            g.input[0] = t_name
-            del g.attribute[:]
-            g.attribute.append(helper.make_attribute("axis", 1))
-            g.output[0] = f"{out}.by_column"
-            at = list(graph.node).index(g) + 1
-            to_rows = helper.make_node(
-                "Transpose", [g.output[0]], [out], name=f"{g.name}.to_rows", perm=[*range(1, rank + 1), 0]
-            )
-            copy_metadata(to_rows, g)  # still the embedding module's output
-            graph.node.insert(at, to_rows)
-        done.append({"weight": weight, "stored_as": t_name, "shape": [int(d) for d in transposed.dims],
+        done.append({"weight": weight, "transposed": t_name, "shape": [int(d) for d in transposed.dims],
                      "matmuls": [u.name for u in users], "gathers": [g.name for g in others]})
     return {"weights": done}
 
@@ -188,8 +171,9 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset(), folde
     except those named in `keep`.
 
     Where the same weight feeds the output MatMul, ORT stored it per output channel as
-    `<W>_quantized` / `_scale` / `_zero_point`; the Gather then reads those, so the embedding and
-    the output layer use one set of int8 numbers (tied, as in the fp32 model). A weight only
+    `<W>_quantized` / `_scale` / `_zero_point` (of `<W>.T` after `pre_transpose_tied_embedding`:
+    the Gather then reads a transposed copy of those int8 numbers, one row per id); the embedding
+    and the output layer use one set of int8 numbers (tied, as in the fp32 model). A weight only
     gathered (the encoder's embedding) is quantized here the same way, one scale per gathered
     row or column. The fp32 table is then dropped: it is the largest weight of the graph. `folder`:
     where an external table's data file is.
@@ -209,7 +193,13 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset(), folde
         axis = next((a.i for a in g.attribute if a.name == "axis"), 0)
         qn, sn, zn = f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"
         source = "matmul"
-        if qn not in inits:
+        tq = f"{weight}.T_quantized"  # the output layer's per-channel numbers of W_t (pre_transpose_tied_embedding)
+        if qn not in inits and axis == 0 and tq in inits:
+            rows = numpy_helper.to_array(inits[tq], str(folder or "")).T.copy()  # (V, d): one row per id
+            graph.initializer.append(numpy_helper.from_array(rows, qn))
+            inits[qn] = graph.initializer[-1]
+            sn, zn = f"{weight}.T_scale", f"{weight}.T_zero_point"
+        elif qn not in inits:
             q, s = _symmetric_int8(inits[weight], axis, folder)
             graph.initializer.extend([
                 numpy_helper.from_array(q, qn),

@@ -20,7 +20,14 @@ from backends.manifest import (
 )
 
 from . import graphs, verify
-from .onnx_io import external_locations, initializer_bytes, load_structure, replaced_fp16_bytes, widened_fp16_bytes
+from .onnx_io import (
+    external_locations,
+    gathered_tables,
+    initializer_bytes,
+    load_structure,
+    replaced_fp16_bytes,
+    widened_fp16_bytes,
+)
 
 FIRST_STEP = "empty past: the decoder graph's first call takes past.* with past_len = 0"
 
@@ -82,6 +89,7 @@ def graph_entries(specs: dict[str, graphs.GraphSpec], folder: Path, left_out: di
         entry["initializer_bytes"] = initializer_bytes(model)
         entry["fp16_bytes_widened_on_cpu"] = widened_fp16_bytes(model)
         entry["fp16_bytes_replaced_on_cpu"] = replaced_fp16_bytes(model)
+        entry["gathered_tables"] = gathered_tables(model, folder)  # held once per backend
         # the batch dimension each input has in the file (a rewrite may batch some by sentence)
         dims = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input}
         for spec in entry["inputs"]:

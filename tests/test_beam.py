@@ -205,7 +205,7 @@ def test_the_output_layer_bias_is_kept_only_where_it_adds_something(tiny_export_
 
 def test_the_sidecar_records_the_generation_config(tiny_export_dir, peaked_export_dir, peaked_model_dir):
     tiny = load_manifest(tiny_export_dir)
-    assert tiny.data["format_version"] == FORMAT_VERSION == 7
+    assert tiny.data["format_version"] == FORMAT_VERSION == 8
     g = tiny.data["generation"]
     # transformers 5 derives the tiny model's generation config from its config: forced eos 0,
     # no max_length (generate()'s model-agnostic 20 tokens are not copied: the position limit holds).
@@ -293,7 +293,7 @@ def test_an_older_export_is_refused_and_made_again(tiny_model_dir, tiny_export_d
     shutil.copytree(tiny_export_dir, out)
     data = json.loads((out / MANIFEST_NAME).read_text())
     (out / MANIFEST_NAME).write_text(json.dumps({**data, "format_version": 2}))
-    with pytest.raises(ManifestError, match=r"older export \(format v2\); this version reads v7.*re-run the export"):
+    with pytest.raises(ManifestError, match=r"older export \(format v2\); this version reads v8.*re-run the export"):
         load_manifest(out)
     ok, why = reusable(str(tiny_model_dir), out)
     assert not ok and "older export (format v2)" in why

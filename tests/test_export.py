@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 
 from backends.manifest import GRAPH_NAMES, ManifestError, load_manifest, sha256_file
 from export import verify
@@ -134,16 +135,28 @@ def _float_tables_read_by(graph: onnx.GraphProto, op_type: str) -> list[str]:
             and inits[n.input[i]].data_type == onnx.TensorProto.FLOAT]
 
 
-def test_tied_output_layer_is_stored_once_pre_transposed(tiny_export_dir):
+def test_tied_output_layer_reads_a_transposed_copy_and_the_embedding_gathers_rows(tiny_export_dir):
+    """The output MatMul reads its own (d, V) copy (nothing left for ORT to fold into one per session);
+    the embedding Gather reads rows of the (V, d) table, the same numbers transposed, which is the
+    encoder's table byte for byte (held once at run time)."""
     manifest = load_manifest(tiny_export_dir)
     vocab, d = manifest.data["model"]["vocab_size"], manifest.data["model"]["d_model"]
+    encoder = onnx.load(str(manifest.graph_path("encoder"))).graph
+    encoder_tables = [numpy_helper.to_array(i) for i in encoder.initializer if list(i.dims) == [vocab, d]]
     for name in ("full", "decoder"):
         graph = onnx.load(str(manifest.graph_path(name))).graph
         inits = {i.name: i for i in graph.initializer}
-        tables = [i for i in inits.values() if sorted(i.dims) == sorted([d, vocab])]  # not the (1, V) bias
-        assert [list(t.dims) for t in tables] == [[d, vocab]], name  # one copy, (d, V)
         transposed = [n for n in graph.node if n.op_type == "Transpose" and n.input[0] in inits]
         assert transposed == [], name  # nothing left for ORT to fold into a second copy
+        matmul_tables = {n.input[1] for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits
+                         and list(inits[n.input[1]].dims) == [d, vocab]}
+        gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits
+                   and list(inits[n.input[0]].dims) == [vocab, d]]
+        assert len(matmul_tables) == 1 and gathers, name
+        assert all(next((a.i for a in g.attribute if a.name == "axis"), 0) == 0 for g in gathers), name
+        rows = numpy_helper.to_array(inits[gathers[-1].input[0]])
+        assert np.array_equal(numpy_helper.to_array(inits[matmul_tables.pop()]), rows.T), name
+        assert any(np.array_equal(rows, t) for t in encoder_tables), name
         assert manifest.data["rewrites"][name]["weights"], name
 
 
@@ -155,11 +168,15 @@ def test_int8_graphs_read_int8_embeddings_and_output_layer(tiny_export_dir):
         graph = onnx.load(str(manifest.graph_path(name))).graph
         assert _float_tables_read_by(graph, "Gather") == [], name
         tables = [i for i in graph.initializer if sorted(i.dims) == table_shape]
-        assert [t.data_type for t in tables] == [onnx.TensorProto.INT8], name
+        assert tables and {t.data_type for t in tables} == {onnx.TensorProto.INT8}, name
     decoder = onnx.load(str(manifest.graph_path("decoder_int8"))).graph
-    table = next(i.name for i in decoder.initializer if sorted(i.dims) == table_shape)
-    readers = {n.op_type for n in decoder.node if table in n.input}
-    assert readers == {"Gather", "MatMulInteger"}  # the embedding and the output layer share it
+    inits = {i.name: i for i in decoder.initializer}
+    gathered = next(n.input[0] for n in decoder.node if n.op_type == "Gather" and n.input[0] in inits
+                    and list(inits[n.input[0]].dims) == [vocab, d])
+    multiplied = next(n.input[1] for n in decoder.node if n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul")
+                      and n.input[1] in inits and list(inits[n.input[1]].dims) == [d, vocab])
+    # the embedding and the output layer share their int8 numbers, one transposed from the other
+    assert np.array_equal(numpy_helper.to_array(inits[gathered]), numpy_helper.to_array(inits[multiplied]).T)
 
 
 def test_rewrites_keep_every_output_bit_identical(tmp_path):
@@ -698,3 +715,24 @@ def test_the_exports_process_returns_a_freed_large_block_at_once(mode):
         assert returned_mb > 7, returned_mb  # the 8 MiB block left the process when freed
     else:
         assert returned_mb < 1, returned_mb
+
+
+def test_a_table_the_encoder_and_decoder_both_gather_is_held_and_counted_once(embedded_export_dir):
+    """The decoder gathers rows of the encoder's own (V, d) table (format v8): loaded together the
+    two sessions get one array, and the memory estimate counts its bytes once, not per file."""
+    from backends import memory_needs
+    from backends.shared_tables import SharedTables
+
+    manifest = load_manifest(embedded_export_dir)
+    model = manifest.data["model"]
+    table = model["vocab_size"] * model["d_model"] * 4
+    encoder, decoder = (manifest.graph(g)["gathered_tables"] for g in ("encoder", "decoder"))
+    both = set(encoder) & set(decoder)
+    assert [encoder[digest] for digest in both] == [table]
+    tables = SharedTables()
+    enc = tables.for_graph(manifest.graph_path("encoder"))
+    dec = tables.for_graph(manifest.graph_path("decoder"))
+    assert any(a is b for a in enc.values() for b in dec.values())
+    files = manifest.data["files"]
+    pair = files["encoder.onnx"]["bytes"] + files["decoder.onnx"]["bytes"]
+    assert memory_needs(embedded_export_dir, ("ort_fp32_kv_cache",))["ort_fp32_kv_cache"] == pair - table

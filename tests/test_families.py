@@ -278,10 +278,10 @@ def test_memory_needs_per_backend(family_export_dir):
     assert 0.5 * fp16_files < halves < fp16_files  # the rest is the graph itself, large beside tiny weights
     assert 0.5 * halves < widened < halves  # the encoder's table is only gathered
     assert manifest.graph("decoder")["fp16_bytes_widened_on_cpu"] == 0
-    # fp16 originals read only by widening kernels are dropped once their fp32 copy exists; the
-    # decoder's tied table is also gathered, so it is held in both precisions.
+    # fp16 originals read only by widening kernels are dropped once their fp32 copy exists; a tied
+    # output layer reads its own copy of the table, which the embedding gathers (export format v8).
     replaced = sum(manifest.graph(g)["fp16_bytes_replaced_on_cpu"] for g in ("encoder_fp16", "decoder_fp16"))
-    assert 0 < replaced < widened
+    assert 0 < replaced <= widened
     assert needs["ort_fp16"] == fp16_files + 2 * widened - replaced
     assert memory_needs(family_export_dir, ("ort_fp16",), cpu=False)["ort_fp16"] == fp16_files
 
