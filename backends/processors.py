@@ -74,7 +74,11 @@ def _pairs_masked(pairs: Pairs | None, rows: np.ndarray, ids: np.ndarray) -> np.
     if pairs is None or not len(pairs[0]):
         return None
     width = int(max(ids.max(initial=0), pairs[1].max()) + 1)
-    return np.isin(rows * width + ids, pairs[0] * width + pairs[1])
+    # A binary search in the few masked entries, sorted: np.isin sorts both sides together.
+    keys = np.sort(pairs[0] * width + pairs[1])
+    query = rows * width + ids
+    at = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
+    return keys[at] == query
 
 
 class RepetitionPenalty(LogitsProcessor):

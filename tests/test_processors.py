@@ -172,3 +172,18 @@ def test_the_processors_come_in_generate_order_and_greedy_search_neither_forces_
                                          NonFiniteEndsAtEos, ForcedBOS]
     plain = logits_processors(special, DecodeOptions().resolved(8), GenerationDefaults(), beams=False)
     assert [type(p) for p in plain] == [NoBadWords, NonFiniteEndsAtEos]
+
+
+def test_a_mask_says_which_entries_it_masks_as_a_set_membership_would():
+    """`masked` answers, for any (row, id) entries, whether the mask holds them: checked against
+    np.isin on random entries, with repeats, entries past the mask's largest id, and an empty query."""
+    rng = np.random.default_rng(3)
+    mask = NoRepeatNGram(2)
+    for _ in range(20):
+        mask.pairs = rng.integers(0, 6, 40), rng.integers(0, 50, 40)
+        rows, ids = rng.integers(0, 6, 300), rng.integers(0, 80, 300)
+        want = np.isin(rows * 1000 + ids, mask.pairs[0] * 1000 + mask.pairs[1])
+        assert np.array_equal(mask.masked(rows, ids), want)
+        assert mask.masked(rows[:0], ids[:0]).shape == (0,)
+    mask.pairs = None
+    assert mask.masked(rows, ids) is None
