@@ -19,6 +19,7 @@ load time (`ort_session.gather_rows_graph`) on the OrtValues themselves, so the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ class KVCacheStepModel:
         # the encoder, the next `step` the other way round: a caller that encodes every batch
         # before stepping (the export's verification) never holds both sets of weights.
         self._one_graph = config.low_memory
+        self.open_seconds = 0.0  # spent opening graphs after load (low_memory's swaps), not decoding
         self.decoder = create_session(dec_path, config, tables=tables)
         self.encoder = None if self._one_graph else create_session(enc_path, config, tables=tables)
         model = manifest.data["model"]
@@ -91,11 +93,13 @@ class KVCacheStepModel:
         if session is None:
             other = "decoder" if graph == "encoder" else "encoder"
             setattr(self, other, None)
+            start = time.perf_counter()
             release_freed_memory()  # the other graph's weights go before these load
             session = create_session(self._paths[graph], self._config, tables=self._tables)
             setattr(self, graph, session)
             if graph == "encoder":
                 self._check_cross(session)
+            self.open_seconds += time.perf_counter() - start
         return session
 
     def _check_cross(self, encoder: ort.InferenceSession) -> None:

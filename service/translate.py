@@ -120,17 +120,29 @@ def verified_speed(manifest, name: str) -> float | None:
     return total
 
 
+# The verification decodes a few sentences once per backend, a timing that varies by a tenth or two
+# run to run: an approximate backend (fp16, int8) is the default only where it took under three
+# quarters of the fastest exact one's time (on the CPU, fp16 computes in fp32 and is never that).
+APPROXIMATE_MARGIN = 0.75
+
+
 def default_backend(backends: dict[str, Backend]) -> str | None:
     """The fastest loaded backend whose verification passed (token-identical to the reference on
     every verification sentence, greedy and the model's own decoding), as the export's sidecar
-    timed them; ties go to an exact backend, then to the registry's order. None when the sidecar
-    shows none (an export made with --no-verify)."""
+    timed them; an approximate backend must take under `APPROXIMATE_MARGIN` of the fastest exact
+    one's time, and ties go to the registry's order. None when the sidecar shows none (an export
+    made with --no-verify)."""
     order = {n: i for i, n in enumerate(BACKEND_NAMES)}
     timed_ = []
     for name, backend in backends.items():
         seconds = verified_speed(backend.manifest, name)
         if seconds is not None and name in order:
             timed_.append((seconds, name in APPROXIMATE, order[name], name))
+    exact = [t for t in timed_ if not t[1]]
+    if exact:
+        best = min(exact)
+        faster = [t for t in timed_ if t[1] and t[0] < APPROXIMATE_MARGIN * best[0]]
+        return min(faster)[-1] if faster else best[-1]
     return min(timed_)[-1] if timed_ else None
 
 

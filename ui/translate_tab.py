@@ -22,7 +22,8 @@ def build(loaded: Loaded) -> None:
     """The Translate tab and the `translate` endpoint; call inside the app's gr.Tabs()."""
     default = default_backend(loaded.backends)
     names = list(loaded.backends)
-    why = ("the fastest backend the export's verification found token-identical to PyTorch"
+    why = ("the fastest backend the export's verification found token-identical to PyTorch "
+           "(fp16 or int8 only where clearly faster than every exact one)"
            if default else "this export records no verification: choose a backend")
 
     batcher = loaded.translator  # answers TranslateAnswer objects: see service.translate.translate_batcher
