@@ -203,6 +203,12 @@ def token_parity(sentences: list[str], reference: list[Translation], outputs: li
     }
 
 
+def _open_seconds(backend: Any) -> float:
+    # A function, not a local: a name left bound to one engine would keep it alive while the
+    # verification builds the next one (it holds one engine at a time).
+    return getattr(getattr(backend, "model", None), "open_seconds", 0.0)
+
+
 def parity_report(
     backends: dict[str, Any], sentences: list[str], reference: str, batch_size: int | None = None, **decode: Any
 ) -> dict[str, Any]:
@@ -216,12 +222,11 @@ def parity_report(
     size = batch_size or max(len(sentences), 1)
     outputs, seconds, opening = {}, {}, {}
     for name, backend in backends.items():
-        engine = getattr(backend, "model", None)
-        opened = getattr(engine, "open_seconds", 0.0)
+        opened = _open_seconds(backend)
         start = time.perf_counter()
         outputs[name] = [t for i in range(0, len(sentences), size) for t in backend.translate(sentences[i : i + size], **decode)]
         # a low-memory engine reopens its graphs on the way: that is load time, not decoding speed
-        opening[name] = getattr(engine, "open_seconds", 0.0) - opened
+        opening[name] = _open_seconds(backend) - opened
         seconds[name] = round(time.perf_counter() - start - opening[name], 2)
     ref = outputs[reference]
     return {
