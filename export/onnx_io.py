@@ -59,11 +59,14 @@ def initializer_bytes(model: onnx.ModelProto) -> dict[str, int]:
     return totals
 
 
-def gathered_tables(model: onnx.ModelProto, folder: Path | None = None, min_bytes: int = 4 * 2**20) -> dict[str, int]:
-    """sha256 of the bytes -> bytes, for each 2-D weight of at least `min_bytes` that a Gather reads.
-    A backend whose graphs gather the same table holds it once (backends/shared_tables.py), so the
-    memory estimate counts it once (`backends.memory_needs`). External tables are read a block at a time."""
+def gathered_tables(model: onnx.ModelProto, folder: Path | None = None) -> dict[str, int]:
+    """sha256 of the bytes -> bytes, for each 2-D weight that a Gather reads and that
+    backends/shared_tables.py would share (its `MIN_BYTES` or more): a backend whose graphs gather
+    the same table holds it once, so the memory estimate counts it once (`backends.memory_needs`).
+    External tables are read a block at a time."""
     import hashlib
+
+    from backends.shared_tables import MIN_BYTES
 
     gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     found = {}
@@ -72,7 +75,7 @@ def gathered_tables(model: onnx.ModelProto, folder: Path | None = None, min_byte
             continue
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
         size = int(np.prod(tensor.dims, dtype=np.int64)) * dtype.itemsize
-        if size < min_bytes:
+        if size < MIN_BYTES:
             continue
         digest = hashlib.sha256(f"{dtype.str}{list(tensor.dims)}".encode())
         for block in read_row_blocks(tensor, folder):

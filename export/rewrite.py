@@ -195,7 +195,7 @@ def quantize_gathers(model: onnx.ModelProto, keep: set[str] = frozenset(), folde
         source = "matmul"
         tq = f"{weight}.T_quantized"  # the output layer's per-channel numbers of W_t (pre_transpose_tied_embedding)
         if qn not in inits and axis == 0 and tq in inits:
-            rows = numpy_helper.to_array(inits[tq], str(folder or "")).T.copy()  # (V, d): one row per id
+            rows = numpy_helper.to_array(inits[tq], str(folder or "")).T  # (V, d): one row per id, copied once below
             graph.initializer.append(numpy_helper.from_array(rows, qn))
             inits[qn] = graph.initializer[-1]
             sn, zn = f"{weight}.T_scale", f"{weight}.T_zero_point"
