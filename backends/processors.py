@@ -155,7 +155,8 @@ class NoBadWords(Mask):
             scores[block.entries(self.pairs)] = -np.inf
 
     def masked(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
-        masked = np.isin(ids, self.single)
+        # A broadcast comparison for the usual one or few ids: np.isin sorts both sides
+        masked = (ids[:, None] == self.single).any(axis=1) if len(self.single) <= 16 else np.isin(ids, self.single)
         by_prefix = _pairs_masked(self.pairs, rows, ids)
         return masked if by_prefix is None else masked | by_prefix
 

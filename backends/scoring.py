@@ -1,9 +1,12 @@
 """Scoring one decoding step's logits: the processors, log-normalizers, the exact top-k, and the
 row-block threads.
 
-These are the hot numpy passes over a (rows, V) array each step; the token decoders (`greedy.py`,
-`beam_search.py`) decide what to do with their results. Each row is computed by the same code
-whichever block it lands in, so the results are independent of the thread count.
+These are the hot passes over a (rows, V) array each step; the token decoders (`greedy.py`,
+`beam_search.py`) decide what to do with their results. The log-sum-exp with the finite check,
+and the top-k, run compiled where `native.py` can build them (one pass over a row instead of
+numpy's several); the numpy versions here define the results and run everywhere else. Each row is
+computed by the same code whichever block it lands in, so the results are independent of the
+thread count.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import native
 from .processors import (
     ForcedToken,
     LogitsProcessor,
@@ -33,7 +37,32 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def log_normalizer(logits: np.ndarray, row_max: np.ndarray | None = None, in_place: bool = False) -> np.ndarray:
-    """logits (b, V) float32 -> log-sum-exp (b, 1) float64.
+    """logits (b, V) float32 -> log-sum-exp (b, 1) float64: the compiled pass where it runs
+    (`native.py`), else numpy's (`_numpy_log_normalizer`, which also takes the rows with a NaN or
+    +inf, or no finite entry)."""
+    if native.usable(logits):
+        return _compiled_log_normalizer(logits)[1]
+    return _numpy_log_normalizer(logits, row_max, in_place)
+
+
+def _compiled_log_normalizer(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lse, non_finite = native.log_normalizer(logits)
+    left = np.isnan(lse)
+    if left.any():
+        lse[left] = _numpy_log_normalizer(logits[left])[:, 0]
+    return non_finite, lse[:, None]
+
+
+def _with_non_finite(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """logits (b, V) float32 -> (rows with a NaN or an infinity (b,), log-sum-exp (b, 1)): one pass
+    over the row where compiled."""
+    if native.usable(logits):
+        return _compiled_log_normalizer(logits)
+    return non_finite_rows(logits), _numpy_log_normalizer(logits)
+
+
+def _numpy_log_normalizer(logits: np.ndarray, row_max: np.ndarray | None = None, in_place: bool = False) -> np.ndarray:
+    """logits (b, V) float32 -> log-sum-exp (b, 1) float64, in numpy.
 
     The few log-probs the loop reports are logit - lse, so a full log-softmax over the vocabulary
     is never materialised. The sum of exp runs in float32: numpy's pairwise summation keeps its
@@ -119,6 +148,11 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
     n = v // _BLOCK  # blocks in the strided part; ids from n * _BLOCK on form one more block
     if n < 4 * k:
         return _top_k_reference(scores, k)
+    if native.usable(scores) and (compiled := native.top_k(scores, k)) is not None:
+        ids, found = compiled
+        for row in np.flatnonzero(found < k):  # NaN and -inf are not counted: sorted here
+            ids[row] = _top_k_rare(scores[row], k)
+        return ids
     block_max = scores[:, : n * _BLOCK].reshape(b, _BLOCK, n).max(axis=1)  # (b, n); NaN if the block has one
     if v > n * _BLOCK:
         block_max = np.concatenate([block_max, scores[:, n * _BLOCK :].max(axis=-1, keepdims=True)], axis=1)
@@ -235,8 +269,8 @@ def _beam_block(
     """-> non-finite rows (r,), lse of the raw row (r, 1), lse of the masked row (r, 1) when
     renormalizing, top ids (r, k) of the masked row."""
     hi = lo + logits.shape[0]
-    block = RowBlock(lo, hi, whole, non_finite_rows(logits), None)
-    lse = log_normalizer(logits)  # generate() takes log_softmax over the raw row, then processes
+    non_finite, lse = _with_non_finite(logits)  # generate() takes log_softmax over the raw row, then processes
+    block = RowBlock(lo, hi, whole, non_finite, None)
     for m in masks:
         m(logits, block)
     if excluded is not None:
@@ -269,32 +303,40 @@ def beam_scores(
     if repeated is not None:
         r, ids = repeated
         penalised = penalty.penalise(raw - lse[r, 0])
-        for m in masks:
-            masked = m.masked(r, ids)
-            if masked is not None:
-                penalised[masked] = -np.inf
-        # Rows holding a penalised id that could enter the top-k: each row's k best of its top-k and
-        # its penalised entries, every row in one sort (by row, value desc, id asc; stable).
-        held, counts = np.unique(r, return_counts=True)
-        cand_rows = np.concatenate([np.repeat(held, k), r])
-        cand_ids = np.concatenate([top[held].reshape(-1), ids])
-        cand_values = np.concatenate([values[held].reshape(-1), penalised])
-        order = np.lexsort((cand_ids, -cand_values, cand_rows))
-        first = np.concatenate([[0], np.cumsum(counts + k)[:-1]])  # each held row's first candidate
-        pick = order[first[:, None] + np.arange(k)]
-        top[held], values[held] = cand_ids[pick], cand_values[pick]
         if norm is not None:
-            for row in held:
-                mine = r == row
-                norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[mine]))
+            for m in masks:
+                masked = m.masked(r, ids)
+                if masked is not None:
+                    penalised[masked] = -np.inf
+            for row in np.unique(r):
+                norm[row, 0] = np.logaddexp(norm[row, 0], np.logaddexp.reduce(penalised[r == row]))
+        # Only an entry at least its row's k-th best can enter the row's top-k: the rest never
+        # reach the sort (masking lowers a value, so it is applied to the few left).
+        enters = np.flatnonzero(penalised >= values[r, k - 1])
+        if len(enters):
+            r, ids, penalised = r[enters], ids[enters], penalised[enters]
+            for m in masks:
+                masked = m.masked(r, ids)
+                if masked is not None:
+                    penalised[masked] = -np.inf
+            # Each such row's k best of its top-k and its entries, every row in one sort (by row,
+            # value desc, id asc; stable).
+            held, counts = np.unique(r, return_counts=True)
+            cand_rows = np.concatenate([np.repeat(held, k), r])
+            cand_ids = np.concatenate([top[held].reshape(-1), ids])
+            cand_values = np.concatenate([values[held].reshape(-1), penalised])
+            order = np.lexsort((cand_ids, -cand_values, cand_rows))
+            first = np.concatenate([[0], np.cumsum(counts + k)[:-1]])  # each held row's first candidate
+            pick = order[first[:, None] + np.arange(k)]
+            top[held], values[held] = cand_ids[pick], cand_values[pick]
     if norm is not None:  # renormalize_logits: log_softmax again after the processors
         values -= norm
     forced = next((p.now for p in processors if isinstance(p, ForcedToken) and p.now is not None), None)
     nan_eos = next((p.eos for p in processors if isinstance(p, NonFiniteEndsAtEos)), None)
-    for row in range(logits.shape[0]):
-        only = forced if forced is not None else nan_eos if non_finite[row] else None
-        if only is not None:
-            others = top[row][top[row] != only][: k - 1]
-            top[row, 0], top[row, 1:] = only, others
-            values[row, 0], values[row, 1:] = 0.0, -np.inf
+    only = forced if forced is not None else nan_eos
+    rows = range(logits.shape[0]) if forced is not None else np.flatnonzero(non_finite) if nan_eos is not None else ()
+    for row in rows:
+        others = top[row][top[row] != only][: k - 1]
+        top[row, 0], top[row, 1:] = only, others
+        values[row, 0], values[row, 1:] = 0.0, -np.inf
     return top, values, non_finite

@@ -61,4 +61,12 @@ def environment(threads: int) -> dict:
         "python": platform.python_version(),
         "versions": {p: v for p in VERSIONED if (v := version(p))},
         "git": _git(),
+        # the decoding loop's scoring passes: compiled here, or numpy and why (backends/native.py)
+        "scoring": _scoring(),
     }
+
+
+def _scoring() -> str:
+    from backends import native
+
+    return native.describe()

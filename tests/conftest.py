@@ -150,6 +150,25 @@ def quiet(*args, **kwargs) -> None:
 # --- session fixtures ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def row_kernels(request, monkeypatch) -> str:
+    """Runs a test once with each implementation of the scoring's row passes (backends/native.py):
+    the compiled one must load wherever a C compiler exists."""
+    from backends import native
+
+    if request.param == "numpy":
+        monkeypatch.setenv(native.ENV, "numpy")
+    else:
+        monkeypatch.delenv(native.ENV, raising=False)
+    native.reset()
+    if request.param == "compiled" and native.library() is None:
+        if native.why_not().startswith("no C compiler"):
+            pytest.skip(native.why_not())
+        pytest.fail(f"the compiled row passes did not load: {native.why_not()}")
+    yield request.param
+    native.reset()
+
+
 @pytest.fixture(scope="session")
 def artifacts_dir() -> Path:
     """Kept after the run (screenshots, logs): test-artifacts/ in the repo, ignored by git."""

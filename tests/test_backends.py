@@ -225,8 +225,9 @@ _TOP_K_KINDS = ["normal", "ties", "masked", "one_finite", "mixed", "nan", "inf",
 @pytest.mark.parametrize(
     "kind,rows", [(kind, rows) for rows in (1, 6, 40) for kind in _TOP_K_KINDS if rows > 4 or kind != "mixed"]
 )  # "mixed" sets rows 0..4 apart
-def test_fast_top_k_equals_a_full_sort(kind, rows):
-    """The decoding loop's blockwise top-k against the definition: a stable sort by (-value, id)."""
+def test_fast_top_k_equals_a_full_sort(kind, rows, row_kernels):
+    """The decoding loop's top-k (compiled, or numpy's blockwise one) against the definition: a
+    stable sort by (-value, id)."""
     from backends.scoring import _BLOCK, _top_k, _top_k_reference
 
     rng = np.random.default_rng(7)
@@ -256,7 +257,7 @@ def test_fast_top_k_equals_a_full_sort(kind, rows):
 
 
 @pytest.mark.parametrize("batch", [4, 9, 32])
-def test_scoring_a_step_on_threads_equals_one_thread(batch):
+def test_scoring_a_step_on_threads_equals_one_thread(batch, row_kernels):
     """greedy_scores cuts the batch into row blocks on threads: every output must equal the
     one-thread result, including the masks, rows that are already finished and NaN rows."""
     from backends.processors import MinNewTokens, NoBadWords, NonFiniteEndsAtEos, prepare

@@ -114,7 +114,7 @@ def test_forced_tokens_leave_one_token_at_their_step_only(cls, step):
             assert p.now is None and np.isfinite(x).all()
 
 
-def test_renormalize_makes_beam_log_probs_sum_to_one_over_what_the_masks_leave():
+def test_renormalize_makes_beam_log_probs_sum_to_one_over_what_the_masks_leave(row_kernels):
     logits = _scores(2)
     masks = [NoBadWords(np.array([3, 4, 5], np.int64), [])]
     for renormalize in (False, True):
@@ -129,7 +129,7 @@ def test_renormalize_makes_beam_log_probs_sum_to_one_over_what_the_masks_leave()
             assert (mass < 1.0 - 1e-3).all()
 
 
-def test_beam_scores_the_penalised_ids_exactly_from_the_raw_log_probs():
+def test_beam_scores_the_penalised_ids_exactly_from_the_raw_log_probs(row_kernels):
     logits = _scores(2)
     penalty = RepetitionPenalty(1.5)
     processors = [penalty, NonFiniteEndsAtEos(EOS)]
