@@ -76,6 +76,8 @@ class BeamSearchDecoder:
         self.running[:, 1:] = _NEG
         self.finished: list[list[_Finished]] = [[] for _ in range(batch)]
         self.improvable = np.ones(batch, dtype=bool)  # generate()'s is_early_stop_heuristic_unsatisfied
+        self.count = np.zeros(batch, dtype=np.int64)  # len(finished[s])
+        self.worst = np.full(batch, _NEG)  # the lowest finished score once n are finished, else _NEG
         self.history: list[_StepRecord] = []
 
     def alive_rows(self) -> np.ndarray:
@@ -89,7 +91,7 @@ class BeamSearchDecoder:
         stops either: every continuation hits a stop only at the length cap (a beam has one eos).
         """
         n = self.width
-        going = self.improvable | np.array([len(f) < n for f in self.finished])  # (b,)
+        going = self.improvable | (self.count < n)  # (b,)
         return (np.flatnonzero(going)[:, None] * n + np.arange(n)).reshape(-1)
 
     def _in_global_rows(self, rows: np.ndarray | None, values: np.ndarray, fill) -> np.ndarray:
@@ -155,7 +157,8 @@ class BeamSearchDecoder:
         )
         # 4. finished hypotheses (using the heuristic's verdict from the previous step)
         length_norm = (step + 1) ** o.length_penalty
-        for i, s in enumerate(sentences):
+        for i in np.flatnonzero(hits[:, :n].any(axis=1)):  # only a stop among the best n joins a list
+            s = sentences[i]
             done = self.finished[s]
             if not self.improvable[s] or (o.early_stopping is True and len(done) == n):
                 continue
@@ -169,6 +172,8 @@ class BeamSearchDecoder:
                 merged = done + new
                 merged.sort(key=lambda h: -h.score)  # stable: the earlier one first on a tie
                 self.finished[s] = merged[:n]
+                self.count[s] = len(self.finished[s])
+                self.worst[s] = self.finished[s][-1].score if self.count[s] == n else _NEG
         self.running[sentences] = np.take_along_axis(running, nxt, axis=-1)
         # 5. can a running beam still beat the worst finished one?
         if o.early_stopping == "never" and o.length_penalty > 0.0:
@@ -176,9 +181,8 @@ class BeamSearchDecoder:
         else:
             best_length = step + 1
         best = self.running[sentences, 0] / best_length**o.length_penalty
-        worst = np.array([min(h.score for h in f) if len(f) == n else _NEG for f in (self.finished[s] for s in sentences)])
-        self.improvable[sentences] &= best > worst
-        full = all(len(f) == n for f in self.finished)
+        self.improvable[sentences] &= best > self.worst[sentences]
+        full = bool((self.count == n).all())
         go_on = self.improvable.any() and not (full and o.early_stopping is True) and not hits.all()
         next_ids = np.concatenate([decoder_ids[beam_idx], new_tokens[:, None]], axis=1)
         return next_ids, beam_idx, not go_on
