@@ -29,7 +29,7 @@ logger = logging.getLogger("backends")
 
 ENV = "ROW_KERNELS"  # "numpy": never build or load the compiled passes
 SOURCE = Path(__file__).with_name("rows.c")
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp-simd", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fopenmp-simd", "-fno-math-errno"]
 _MAX_K = 256  # rows.c keeps the best k in a fixed buffer
 
 _lock = threading.Lock()
@@ -90,6 +90,9 @@ def _load():
     lib.row_log_normalizer.restype = None
     lib.row_top_k.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, i64]
     lib.row_top_k.restype = None
+    lib.beam_rows.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, ctypes.c_int64, i64, i64, i64,
+                              i64, ctypes.c_double, ctypes.c_int64, f64, u8, i64, f64, i64]
+    lib.beam_rows.restype = None
     return lib, None
 
 
@@ -141,3 +144,20 @@ def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
     ids, found = np.empty((rows, k), dtype=np.int64), np.empty(rows, dtype=np.int64)
     library().row_top_k(logits, rows, v, k, ids, found)
     return ids, found
+
+
+def beam_rows(logits: np.ndarray, k: int, shared: np.ndarray, masked: tuple[np.ndarray, np.ndarray],
+              penalised: tuple[np.ndarray, np.ndarray], penalty: float, threads: int):
+    """A beam-search step's scoring in one call (rows.c `beam_rows`): logits (r, V) float32, the ids
+    masked in every row (ascending), the per-row masked and penalised ids as (offsets (r + 1,),
+    ids ascending within each row) -> lse (r,), non-finite rows (r,), ids (r, k), processed
+    log-probs (r, k) float64, and how many ids each row found (a row with fewer than k, or a
+    non-finite one, is left for the caller); None when k is beyond the compiled buffer."""
+    if not 1 <= k <= _MAX_K:
+        return None
+    rows, v = logits.shape
+    lse, non_finite = np.full(rows, np.nan), np.zeros(rows, dtype=np.uint8)
+    ids, values, found = np.zeros((rows, k), dtype=np.int64), np.zeros((rows, k)), np.zeros(rows, dtype=np.int64)
+    library().beam_rows(logits, rows, v, k, shared, len(shared), masked[0], masked[1], penalised[0], penalised[1],
+                        penalty, threads, lse, non_finite, ids, values, found)
+    return lse, non_finite.view(bool), ids, values, found

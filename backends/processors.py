@@ -69,6 +69,14 @@ class Mask(LogitsProcessor):
         """Whether the entries (rows, ids) are masked this step; None: none of them is."""
         raise NotImplementedError
 
+    def excluded(self) -> tuple[np.ndarray, Pairs | None]:
+        """What this step masks, as the compiled beam scoring takes it (`native.beam_rows`): the
+        ids masked in every row (int64), and the (rows, ids) masked in some rows only."""
+        raise NotImplementedError
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 def _pairs_masked(pairs: Pairs | None, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
     if pairs is None or not len(pairs[0]):
@@ -129,6 +137,9 @@ class NoRepeatNGram(Mask):
     def masked(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
         return _pairs_masked(self.pairs, rows, ids)
 
+    def excluded(self) -> tuple[np.ndarray, Pairs | None]:
+        return _NONE, self.pairs
+
 
 class NoBadWords(Mask):
     """NoBadWordsLogitsProcessor: a single-token bad word is masked at every step; a longer one's
@@ -160,6 +171,9 @@ class NoBadWords(Mask):
         by_prefix = _pairs_masked(self.pairs, rows, ids)
         return masked if by_prefix is None else masked | by_prefix
 
+    def excluded(self) -> tuple[np.ndarray, Pairs | None]:
+        return self.single, self.pairs
+
 
 class MinNewTokens(Mask):
     """MinNewTokensLengthLogitsProcessor: eos is masked until `min_new` tokens exist."""
@@ -177,6 +191,9 @@ class MinNewTokens(Mask):
 
     def masked(self, rows: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
         return ids == self.eos if self.active else None
+
+    def excluded(self) -> tuple[np.ndarray, Pairs | None]:
+        return np.array([self.eos] if self.active else [], dtype=np.int64), None
 
 
 class NonFiniteEndsAtEos(LogitsProcessor):

@@ -1,8 +1,10 @@
-/* The two passes over a decoding step's (rows, V) float32 logits that dominate the loop's own
- * time, in C: numpy needs five passes and a temporary array for what one pass does here.
- * backends/native.py compiles this file on first use and backends/scoring.py keeps the numpy
+/* The passes over a decoding step's (rows, V) float32 logits that dominate the loop's own time,
+ * in C: the log-sum-exp with the finite check, the top-k, and beam search's whole scoring of a
+ * step (log_softmax, masks, repetition penalty, top-k) in one call on its own threads.
+ * backends/native.py compiles this file on first use; backends/scoring.py keeps the numpy
  * versions, which define the results: these must agree with them (tests/test_native.py). */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #define SPAN 256
@@ -77,49 +79,188 @@ void row_log_normalizer(const float *logits, int64_t rows, int64_t v, double *ls
 
 #define CHUNK 64
 
-/* Per row: the ids of its k largest entries, best first, a tie going to the lower id (as a
- * stable sort by value descending). NaN and -inf never enter; found[r] says how many did, and a
- * row with fewer than k is left to the caller. The scan tests CHUNK entries at a time against the
- * k-th best so far, so nearly every entry costs one vector comparison. */
+/* Whether id is in the ascending list ids[0..n), starting the search at *at and leaving *at at the
+ * first entry >= id: callers ask in ascending order, so the search only moves forward. */
+static inline int listed(const int64_t *ids, int64_t n, int64_t *at, int64_t id)
+{
+    while (*at < n && ids[*at] < id)
+        (*at)++;
+    return *at < n && ids[*at] == id;
+}
+
+/* Ids a scan leaves out: three ascending lists (any may be empty). */
+typedef struct {
+    const int64_t *ids[3];
+    int64_t n[3];
+} skip_lists;
+
+/* The ids of the k largest entries of p[0..v) not in `skip` (NULL: none), best first, a tie going to
+ * the lower id (as a stable sort by value descending), their values in best[]; NaN and -inf never
+ * enter. Returns how many were found. The scan tests CHUNK entries at a time against the k-th best
+ * so far, so nearly every entry costs one vector comparison. */
+static int64_t scan_top_k(const float *p, int64_t v, int64_t k, const skip_lists *skip, float *best, int64_t *out)
+{
+    int64_t n = 0, at_list[3] = {0, 0, 0};
+    float threshold = -INFINITY;
+    for (int64_t i = 0; i < v; i += CHUNK) {
+        int64_t end = i + CHUNK <= v ? i + CHUNK : v;
+        if (end - i == CHUNK) {
+            int any = 0;
+#pragma omp simd reduction(| : any)
+            for (int j = 0; j < CHUNK; j++)
+                any |= p[i + j] > threshold;
+            if (!any)
+                continue;
+        }
+        for (int64_t q = i; q < end; q++) {
+            float x = p[q];
+            if (!(x > threshold))
+                continue;
+            if (skip && (listed(skip->ids[0], skip->n[0], &at_list[0], q) ||
+                         listed(skip->ids[1], skip->n[1], &at_list[1], q) ||
+                         listed(skip->ids[2], skip->n[2], &at_list[2], q)))
+                continue;
+            /* insert after every kept entry >= x: an equal value already kept has a lower id */
+            int64_t at = n < k ? n : k - 1;
+            while (at > 0 && best[at - 1] < x) {
+                best[at] = best[at - 1];
+                out[at] = out[at - 1];
+                at--;
+            }
+            best[at] = x;
+            out[at] = q;
+            if (n < k)
+                n++;
+            if (n == k)
+                threshold = best[k - 1];
+        }
+    }
+    return n;
+}
+
+/* Per row: the ids of its k largest entries (scan_top_k); found[r] says how many there were, and a
+ * row with fewer than k is left to the caller. */
 void row_top_k(const float *logits, int64_t rows, int64_t v, int64_t k, int64_t *ids, int64_t *found)
 {
     float best[256];
     if (k < 1 || k > 256)
         return;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *p = logits + r * v;
-        int64_t *out = ids + r * k;
-        int64_t n = 0;
-        float threshold = -INFINITY;
-        for (int64_t i = 0; i < v; i += CHUNK) {
-            int64_t end = i + CHUNK <= v ? i + CHUNK : v;
-            if (end - i == CHUNK) {
-                int any = 0;
-#pragma omp simd reduction(| : any)
-                for (int j = 0; j < CHUNK; j++)
-                    any |= p[i + j] > threshold;
-                if (!any)
-                    continue;
-            }
-            for (int64_t q = i; q < end; q++) {
-                float x = p[q];
-                if (!(x > threshold))
-                    continue;
-                /* insert after every kept entry >= x: an equal value already kept has a lower id */
-                int64_t at = n < k ? n : k - 1;
-                while (at > 0 && best[at - 1] < x) {
-                    best[at] = best[at - 1];
-                    out[at] = out[at - 1];
-                    at--;
-                }
-                best[at] = x;
-                out[at] = q;
-                if (n < k)
-                    n++;
-                if (n == k)
-                    threshold = best[k - 1];
-            }
-        }
-        found[r] = n;
+    for (int64_t r = 0; r < rows; r++)
+        found[r] = scan_top_k(logits + r * v, v, k, NULL, best, ids + r * k);
+}
+
+static inline int in_sorted(const int64_t *ids, int64_t n, int64_t id)
+{
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
+    return lo < n && ids[lo] == id;
+}
+
+typedef struct {
+    const float *logits;
+    int64_t v, k;
+    const int64_t *shared;
+    int64_t n_shared;
+    const int64_t *masked_at, *masked, *penalised_at, *penalised;
+    double penalty;
+    double *lse;
+    uint8_t *non_finite;
+    int64_t *ids;
+    double *values;
+    int64_t *found;
+    int64_t lo, hi;
+} beam_job;
+
+/* One beam-search row: log_softmax of the raw row, then generate()'s processors on it, as
+ * scoring.beam_scores defines them: masked ids (shared by every row, or the row's own) never
+ * enter; the row's penalised ids are left out of the scan and scored exactly, lp * penalty where
+ * lp < 0 and lp / penalty otherwise, then merged by (value desc, id asc). */
+static void beam_row(const beam_job *job, int64_t r)
+{
+    const float *p = job->logits + r * job->v;
+    int64_t k = job->k, *out = job->ids + r * k;
+    double *val = job->values + r * k;
+    float m, t;
+    double s = sum_exp(p, job->v, 0.0f, &m, &t);
+    job->non_finite[r] = !isfinite(t);
+    job->found[r] = 0;
+    if (job->non_finite[r] || m == -INFINITY)
+        return; /* the caller's: NaN, an infinity, or no finite entry */
+    double lse = fabsf(m) <= 40.0f ? log(s) : (double)m + log(sum_exp(p, job->v, m, &m, &t));
+    job->lse[r] = lse;
+    const int64_t *masked = job->masked + job->masked_at[r], *pen = job->penalised + job->penalised_at[r];
+    int64_t n_masked = job->masked_at[r + 1] - job->masked_at[r];
+    int64_t n_pen = job->penalised_at[r + 1] - job->penalised_at[r];
+    skip_lists skip = {{job->shared, masked, pen}, {job->n_shared, n_masked, n_pen}};
+    float best[256];
+    int64_t n = scan_top_k(p, job->v, k, &skip, best, out);
+    job->found[r] = n;
+    if (n < k)
+        return; /* the caller's */
+    for (int64_t j = 0; j < k; j++)
+        val[j] = (double)best[j] - lse;
+    for (int64_t j = 0; j < n_pen; j++) {
+        int64_t id = pen[j];
+        double lp = (double)p[id] - lse;
+        double x = lp < 0 ? lp * job->penalty : lp / job->penalty;
+        if (in_sorted(job->shared, job->n_shared, id) || in_sorted(masked, n_masked, id))
+            x = -INFINITY;
+        if (!(x >= val[k - 1]) || (x == val[k - 1] && out[k - 1] < id))
+            continue; /* ranks after the k-th (or is NaN) */
+        int64_t at = k - 1; /* replaces the k-th, then moves up past every entry it ranks before */
+        while (at > 0 && (val[at - 1] < x || (val[at - 1] == x && out[at - 1] > id))) {
+            val[at] = val[at - 1];
+            out[at] = out[at - 1];
+            at--;
+        }
+        val[at] = x;
+        out[at] = id;
+    }
+}
+
+static void *beam_rows_job(void *arg)
+{
+    const beam_job *job = arg;
+    for (int64_t r = job->lo; r < job->hi; r++)
+        beam_row(job, r);
+    return NULL;
+}
+
+/* beam_row for every row, on up to `threads` threads (rows split into contiguous blocks). */
+void beam_rows(const float *logits, int64_t rows, int64_t v, int64_t k, const int64_t *shared, int64_t n_shared,
+               const int64_t *masked_at, const int64_t *masked, const int64_t *penalised_at,
+               const int64_t *penalised, double penalty, int64_t threads, double *lse, uint8_t *non_finite,
+               int64_t *ids, double *values, int64_t *found)
+{
+    if (k < 1 || k > 256)
+        return;
+    beam_job jobs[16];
+    pthread_t workers[16];
+    if (threads < 1)
+        threads = 1;
+    if (threads > 16)
+        threads = 16;
+    if (threads > rows)
+        threads = rows > 0 ? rows : 1;
+    for (int64_t i = 0; i < threads; i++) {
+        jobs[i] = (beam_job){logits, v, k, shared, n_shared, masked_at, masked, penalised_at, penalised, penalty,
+                             lse, non_finite, ids, values, found, rows * i / threads, rows * (i + 1) / threads};
+    }
+    int64_t started = 0;
+    for (int64_t i = 1; i < threads; i++) {
+        if (pthread_create(&workers[i], NULL, beam_rows_job, &jobs[i]) != 0)
+            break;
+        started = i;
+    }
+    for (int64_t i = started + 1; i < threads; i++) /* threads that could not start: done here */
+        beam_rows_job(&jobs[i]);
+    beam_rows_job(&jobs[0]);
+    for (int64_t i = 1; i <= started; i++)
+        pthread_join(workers[i], NULL);
 }

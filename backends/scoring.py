@@ -282,20 +282,71 @@ def _beam_block(
 def beam_scores(
     logits: np.ndarray, processors: list[LogitsProcessor], k: int, threads: int = 1
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Beam search: logits (r, V) float32, masked in place -> ids (r, k) and their processed
-    log-probs (r, k) float64, best first, and the non-finite rows (r,).
+    """Beam search: logits (r, V) float32, consumed (numpy's path masks them in place) -> ids (r, k)
+    and their processed log-probs (r, k) float64, best first, and the non-finite rows (r,).
 
     generate() applies the processors (already `prepare`d for this step) to log_softmax of the raw
     row. The masks act on the logits before the top-k; the repetition penalty's entries are left
     out of the top-k and scored exactly from the raw row, then merged in; a forced token, or eos
     for a NaN row (reported as a non-finite step), is the one candidate at log-prob 0, with the
     row's best others kept as its alternatives at -inf; renormalizing subtracts the log of the mass
-    the processors leave.
+    the processors leave. Where compiled, all of it but the forced tokens runs in one call that
+    leaves the logits as they are (`_compiled_beam_scores`); numpy's path takes renormalizing and
+    steps with a non-finite row or fewer than k ids left.
     """
     masks = [p for p in processors if isinstance(p, Mask)]
     penalty = next((p for p in processors if isinstance(p, RepetitionPenalty)), None)
-    repeated = None if penalty is None else penalty.pairs
     renormalize = any(isinstance(p, Renormalize) for p in processors)
+    fused = None if renormalize else _compiled_beam_scores(logits, masks, penalty, k, threads)
+    top, values, non_finite = fused or _numpy_beam_scores(logits, masks, penalty, k, threads, renormalize)
+    forced = next((p.now for p in processors if isinstance(p, ForcedToken) and p.now is not None), None)
+    nan_eos = next((p.eos for p in processors if isinstance(p, NonFiniteEndsAtEos)), None)
+    only = forced if forced is not None else nan_eos
+    rows = range(logits.shape[0]) if forced is not None else np.flatnonzero(non_finite) if nan_eos is not None else ()
+    for row in rows:
+        others = top[row][top[row] != only][: k - 1]
+        top[row, 0], top[row, 1:] = only, others
+        values[row, 0], values[row, 1:] = 0.0, -np.inf
+    return top, values, non_finite
+
+
+def _by_row(pairs: list[Pairs], rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, ids) pairs -> (offsets (rows + 1,), ids ascending within each row)."""
+    if not pairs:
+        return np.zeros(rows + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    key = np.sort(np.concatenate([r.astype(np.int64) * vocab + i for r, i in pairs]))
+    return np.searchsorted(key // vocab, np.arange(rows + 1)), key % vocab
+
+
+def _compiled_beam_scores(logits, masks, penalty, k, threads):
+    """beam_scores' work in one compiled call (`native.beam_rows`), or None where it does not
+    apply: numpy's scoring, a mask without `excluded`, or a row with a NaN, an infinity or fewer
+    than k ids left (the numpy path below decides those)."""
+    if not native.usable(logits):
+        return None
+    rows, vocab = logits.shape
+    shared, pairs = [np.zeros(0, dtype=np.int64)], []
+    for m in masks:
+        try:
+            every, own = m.excluded()
+        except NotImplementedError:
+            return None
+        shared.append(np.asarray(every, dtype=np.int64))
+        if own is not None and len(own[0]):
+            pairs.append(own)
+    repeated = [] if penalty is None or penalty.pairs is None else [penalty.pairs]
+    got = native.beam_rows(logits, k, np.unique(np.concatenate(shared)), _by_row(pairs, rows, vocab),
+                           _by_row(repeated, rows, vocab), 1.0 if penalty is None else penalty.penalty, threads)
+    if got is None:
+        return None
+    _, non_finite, top, values, found = got
+    if non_finite.any() or (found < k).any():
+        return None
+    return top, values, non_finite
+
+
+def _numpy_beam_scores(logits, masks, penalty, k, threads, renormalize):
+    repeated = None if penalty is None else penalty.pairs
     raw = None if repeated is None else logits[repeated].astype(np.float64)  # before any mask
     non_finite, lse, masked_lse, top = _on_row_blocks(_beam_block, logits, threads, masks, repeated, k, renormalize)
     values = np.take_along_axis(logits, top, axis=-1) - lse  # (r, k) float64
@@ -331,12 +382,4 @@ def beam_scores(
             top[held], values[held] = cand_ids[pick], cand_values[pick]
     if norm is not None:  # renormalize_logits: log_softmax again after the processors
         values -= norm
-    forced = next((p.now for p in processors if isinstance(p, ForcedToken) and p.now is not None), None)
-    nan_eos = next((p.eos for p in processors if isinstance(p, NonFiniteEndsAtEos)), None)
-    only = forced if forced is not None else nan_eos
-    rows = range(logits.shape[0]) if forced is not None else np.flatnonzero(non_finite) if nan_eos is not None else ()
-    for row in rows:
-        others = top[row][top[row] != only][: k - 1]
-        top[row, 0], top[row, 1:] = only, others
-        values[row, 0], values[row, 1:] = 0.0, -np.inf
     return top, values, non_finite

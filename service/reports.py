@@ -56,6 +56,8 @@ def env_lines(results: dict) -> list[str]:
         f"{e.get('load_average_1m_at_end', '–')} at end",
         f"- Python {e['python']}; {versions}",
     ]
+    if e.get("scoring"):
+        lines.append(f"- Our decoding loop's scoring passes: {e['scoring']}")
     if e.get("peer_environment"):
         v = e["peer_environment"]["versions"]
         lines.append("- Peer environment (Optimum, CTranslate2): " + ", ".join(f"{k} {x}" for k, x in v.items()))

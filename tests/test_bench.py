@@ -143,6 +143,9 @@ def test_speed_writes_report_and_plots(speed_run):
     for name in results["runtimes"]:
         assert f"| `{name}` |" in md
     assert "## What is timed" in md and "single-step / KV cache" in md and results["environment"]["cpu"] in md
+    from backends import native
+
+    assert f"- Our decoding loop's scoring passes: {native.describe()}" in md  # which ones were timed
     assert "Decoding: greedy." in md and "Greedy search (num_beams 1) for every runtime." in results["what_is_timed"]
     assert results["plots"] == ["sweep.png", "speed.png"]
     for p in results["plots"]:

@@ -8,7 +8,7 @@ import pytest
 
 from backends import native
 from backends.processors import NoBadWords, NonFiniteEndsAtEos, NoRepeatNGram, RepetitionPenalty, prepare
-from backends.scoring import _numpy_log_normalizer, beam_scores, log_normalizer, non_finite_rows
+from backends.scoring import _compiled_beam_scores, _numpy_log_normalizer, beam_scores, log_normalizer, non_finite_rows
 
 
 def _rows(vocab: int) -> np.ndarray:
@@ -68,6 +68,8 @@ def test_a_beam_step_with_penalty_and_bans_scores_as_its_definition(row_kernels)
     processors = [RepetitionPenalty(1.3), NoRepeatNGram(2), NoBadWords(np.array([bad]), []), NonFiniteEndsAtEos(0)]
     prepare(processors, 6, history)
     ids, values, non_finite = beam_scores(logits.copy(), processors, k, threads=2)
+    fused = _compiled_beam_scores(logits.copy(), processors[1:3], processors[0], k, 2)
+    assert (fused is not None) == (row_kernels == "compiled")  # the one-call path is the one checked
     banned = {r: [bad] for r in range(rows)}
     for r, token in zip(*processors[1].pairs):
         banned[int(r)].append(int(token))
