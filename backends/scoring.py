@@ -335,6 +335,7 @@ def _compiled_beam_scores(logits, masks, penalty, k, threads):
         if own is not None and len(own[0]):
             pairs.append(own)
     repeated = [] if penalty is None or penalty.pairs is None else [penalty.pairs]
+    threads = max(1, min(threads, rows // _MIN_ROWS_PER_PART))  # as _on_row_blocks splits
     got = native.beam_rows(logits, k, np.unique(np.concatenate(shared)), _by_row(pairs, rows, vocab),
                            _by_row(repeated, rows, vocab), 1.0 if penalty is None else penalty.penalty, threads)
     if got is None:
