@@ -91,7 +91,7 @@ def _load():
     lib.row_top_k.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, i64]
     lib.row_top_k.restype = None
     lib.beam_rows.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, ctypes.c_int64, i64, i64, i64,
-                              i64, ctypes.c_double, ctypes.c_int64, f64, u8, i64, f64, i64]
+                              i64, ctypes.c_double, ctypes.c_int64, u8, i64, f64, i64]
     lib.beam_rows.restype = None
     return lib, None
 
@@ -150,14 +150,14 @@ def beam_rows(logits: np.ndarray, k: int, shared: np.ndarray, masked: tuple[np.n
               penalised: tuple[np.ndarray, np.ndarray], penalty: float, threads: int):
     """A beam-search step's scoring in one call (rows.c `beam_rows`): logits (r, V) float32, the ids
     masked in every row (ascending), the per-row masked and penalised ids as (offsets (r + 1,),
-    ids ascending within each row) -> lse (r,), non-finite rows (r,), ids (r, k), processed
+    ids ascending within each row) -> the non-finite rows (r,), ids (r, k), processed
     log-probs (r, k) float64, and how many ids each row found (a row with fewer than k, or a
     non-finite one, is left for the caller); None when k is beyond the compiled buffer."""
     if not 1 <= k <= _MAX_K:
         return None
     rows, v = logits.shape
-    lse, non_finite = np.full(rows, np.nan), np.zeros(rows, dtype=np.uint8)
+    non_finite = np.zeros(rows, dtype=np.uint8)
     ids, values, found = np.zeros((rows, k), dtype=np.int64), np.zeros((rows, k)), np.zeros(rows, dtype=np.int64)
     library().beam_rows(logits, rows, v, k, shared, len(shared), masked[0], masked[1], penalised[0], penalised[1],
-                        penalty, threads, lse, non_finite, ids, values, found)
-    return lse, non_finite.view(bool), ids, values, found
+                        penalty, threads, non_finite, ids, values, found)
+    return non_finite.view(bool), ids, values, found

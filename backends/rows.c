@@ -169,7 +169,6 @@ typedef struct {
     int64_t n_shared;
     const int64_t *masked_at, *masked, *penalised_at, *penalised;
     double penalty;
-    double *lse;
     uint8_t *non_finite;
     int64_t *ids;
     double *values;
@@ -193,7 +192,6 @@ static void beam_row(const beam_job *job, int64_t r)
     if (job->non_finite[r] || m == -INFINITY)
         return; /* the caller's: NaN, an infinity, or no finite entry */
     double lse = fabsf(m) <= 40.0f ? log(s) : (double)m + log(sum_exp(p, job->v, m, &m, &t));
-    job->lse[r] = lse;
     const int64_t *masked = job->masked + job->masked_at[r], *pen = job->penalised + job->penalised_at[r];
     int64_t n_masked = job->masked_at[r + 1] - job->masked_at[r];
     int64_t n_pen = job->penalised_at[r + 1] - job->penalised_at[r];
@@ -235,7 +233,7 @@ static void *beam_rows_job(void *arg)
 /* beam_row for every row, on up to `threads` threads (rows split into contiguous blocks). */
 void beam_rows(const float *logits, int64_t rows, int64_t v, int64_t k, const int64_t *shared, int64_t n_shared,
                const int64_t *masked_at, const int64_t *masked, const int64_t *penalised_at,
-               const int64_t *penalised, double penalty, int64_t threads, double *lse, uint8_t *non_finite,
+               const int64_t *penalised, double penalty, int64_t threads, uint8_t *non_finite,
                int64_t *ids, double *values, int64_t *found)
 {
     if (k < 1 || k > 256)
@@ -250,7 +248,7 @@ void beam_rows(const float *logits, int64_t rows, int64_t v, int64_t k, const in
         threads = rows > 0 ? rows : 1;
     for (int64_t i = 0; i < threads; i++) {
         jobs[i] = (beam_job){logits, v, k, shared, n_shared, masked_at, masked, penalised_at, penalised, penalty,
-                             lse, non_finite, ids, values, found, rows * i / threads, rows * (i + 1) / threads};
+                             non_finite, ids, values, found, rows * i / threads, rows * (i + 1) / threads};
     }
     int64_t started = 0;
     for (int64_t i = 1; i < threads; i++) {

@@ -340,7 +340,7 @@ def _compiled_beam_scores(logits, masks, penalty, k, threads):
                            _by_row(repeated, rows, vocab), 1.0 if penalty is None else penalty.penalty, threads)
     if got is None:
         return None
-    _, non_finite, top, values, found = got
+    non_finite, top, values, found = got
     if non_finite.any() or (found < k).any():
         return None
     return top, values, non_finite
