@@ -30,10 +30,11 @@ class StepModel(Protocol):
     def reorder(self, state: Any, beam_idx: np.ndarray) -> None:
         """beam_idx: (rows,) int64; row i continues from row beam_idx[i] (its cache and positions)."""
 
-    def keep(self, state: Any, rows: np.ndarray) -> None:
+    def keep(self, state: Any, rows: np.ndarray, parents: np.ndarray | None = None) -> None:
         """Optional: only these rows (ascending indices into the current ones) go on; the others'
         sentences are finished (beam search: every beam of a sentence together). Without it,
-        finished rows are computed to the end."""
+        finished rows are computed to the end. `parents` (beam search): kept row i continues from
+        current row parents[i] of the same sentence, i.e. `reorder` in the same copy."""
 
 
 def sentences_of(rows: np.ndarray, n: int) -> np.ndarray | None:

@@ -29,7 +29,9 @@ __all__ = ["RowResult", "decode", "forced_scores"]
 
 # Finished sentences leave the engine once they are a quarter of the rows it still computes (at
 # least one sentence): each drop copies every cache tensor, which costs more than computing a
-# finished row for a few more steps, and sentences of a length-sorted batch end steps apart.
+# finished row for a few more steps, and sentences of a length-sorted batch end steps apart. Beam
+# search copies its self-attention cache at every step anyway (the reorder), so its drops ride on
+# that copy and happen as soon as one sentence is done.
 _KEEP_FRACTION = 4
 
 
@@ -62,21 +64,23 @@ class RowCompaction:
     def ids(self, decoder_ids: np.ndarray) -> np.ndarray:
         return decoder_ids if self.rows is None else decoder_ids[self.rows]
 
-    def reorder(self, state, beam_idx: np.ndarray, clock: EngineClock) -> None:
-        """beam_idx is over every row of decoder_ids; the engine holds `rows` only, and a row's
-        parent is a row of the same sentence, so among them."""
-        local = beam_idx if self.rows is None else np.searchsorted(self.rows, beam_idx[self.rows])
-        if not np.array_equal(local, np.arange(len(local))):
-            clock.run(self.model.reorder, state, local)
-
-    def drop_finished(self, state, decoder, total_rows: int, clock: EngineClock) -> None:
-        if not self.enabled:
-            return
-        alive = decoder.alive_rows()
+    def advance(self, state, decoder, beam_idx: np.ndarray | None, total_rows: int, clock: EngineClock) -> None:
+        """After a step: beam search's reorder (beam_idx over every row of decoder_ids; a row's
+        parent is a row of the same sentence, so among those the engine holds), and the drop of
+        finished sentences, in one call to the engine when both are due."""
         current = np.arange(total_rows) if self.rows is None else self.rows
-        if len(current) - len(alive) >= max(1, len(current) // _KEEP_FRACTION):
-            clock.run(self.model.keep, state, np.searchsorted(current, alive))
-            self.rows = alive
+        local = None if beam_idx is None else np.searchsorted(current, beam_idx[current])
+        if self.enabled:
+            alive = decoder.alive_rows()
+            finished = len(current) - len(alive)
+            least = 1 if local is not None else max(1, len(current) // _KEEP_FRACTION)
+            if finished >= least:
+                kept = np.searchsorted(current, alive)
+                clock.run(self.model.keep, state, kept, None if local is None else local[kept])
+                self.rows = alive
+                return
+        if local is not None and not np.array_equal(local, np.arange(len(local))):
+            clock.run(self.model.reorder, state, local)
 
 
 def _timings(start: float, encoded: float, first_token: float | None, end: float, steps: int, engine: float):
@@ -123,9 +127,7 @@ def decode(
         first_token = first_token or time.perf_counter()
         if done:
             break
-        if beam_idx is not None:
-            compaction.reorder(state, beam_idx, clock)
-        compaction.drop_finished(state, decoder, decoder_ids.shape[0], clock)
+        compaction.advance(state, decoder, beam_idx, decoder_ids.shape[0], clock)
     end = time.perf_counter()
     return decoder.finish(_timings(start, encoded, first_token, end, decoder_ids.shape[1] - 1, clock.seconds))
 

@@ -225,10 +225,12 @@ class ExternalStepModel:
         are the same for every beam of a sentence and stay where they are."""
         state.past = self._gather(state.past, beam_idx)  # (rows, h, p, d) each
 
-    def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Only `rows` go on; the caches, the mask and the encoder output shrink."""
+    def keep(self, state: _State, rows: np.ndarray, parents: np.ndarray | None = None) -> None:
+        """Only `rows` go on; the caches, the mask and the encoder output shrink. With `parents`,
+        kept row i continues from row parents[i] (a row of the same sentence, so the same source)."""
         if state.past is not None:
-            state.past, state.cross = self._gather(state.past, rows), self._gather(state.cross, rows)
+            index = rows if parents is None else parents
+            state.past, state.cross = self._gather(state.past, index), self._gather(state.cross, index)
         state.mask = np.ascontiguousarray(state.mask[rows])
         state.attention_mask = _value(state.mask)
         state.hidden = _value(np.ascontiguousarray(state.hidden.numpy()[rows]))

@@ -146,10 +146,12 @@ class KVCacheStepModel:
         are the same for every beam of a sentence and stay where they are."""
         state.past = self._gather(state.past, beam_idx)  # (b * n, h, p, d) each
 
-    def keep(self, state: _State, rows: np.ndarray) -> None:
+    def keep(self, state: _State, rows: np.ndarray, parents: np.ndarray | None = None) -> None:
         """Only `rows` go on; every cached tensor and the mask shrink to them (a shared
-        cross-attention's to their sentences: rows must then be every beam of each sentence kept)."""
-        state.past = self._gather(state.past, rows)
+        cross-attention's to their sentences: rows must then be every beam of each sentence kept).
+        With `parents`, kept row i continues from row parents[i]: beam search's reorder in the
+        same copy of the self-attention cache."""
+        state.past = self._gather(state.past, rows if parents is None else parents)
         sentences = rows
         if self.shared_cross and state.beams > 1:
             sentences = sentences_of(rows, state.beams)

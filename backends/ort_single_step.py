@@ -39,8 +39,9 @@ class FullGraphStepModel:
         """Nothing cached: every step reads the reordered decoder ids whole. Rows of one sentence
         share its source, so the source rows need no reordering either."""
 
-    def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Only `rows` go on (finished sentences are dropped)."""
+    def keep(self, state: _State, rows: np.ndarray, parents: np.ndarray | None = None) -> None:
+        """Only `rows` go on (finished sentences are dropped). Nothing is cached, so `parents` (the
+        rows they continue, of the same sentences) changes nothing here."""
         state.input_ids, state.attention_mask = state.input_ids[rows], state.attention_mask[rows]
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:

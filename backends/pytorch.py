@@ -67,14 +67,16 @@ class TorchStepModel:
         state.cache.reorder_cache(torch.from_numpy(np.ascontiguousarray(beam_idx, dtype=np.int64)))
 
     @torch.inference_mode()
-    def keep(self, state: _State, rows: np.ndarray) -> None:
-        """Only `rows` go on: the encoder outputs, the mask and both caches shrink."""
+    def keep(self, state: _State, rows: np.ndarray, parents: np.ndarray | None = None) -> None:
+        """Only `rows` go on: the encoder outputs, the mask and both caches shrink. With `parents`,
+        kept row i continues from row parents[i], a row of the same sentence (same source)."""
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         for key, value in list(state.encoder_outputs.items()):
             if isinstance(value, torch.Tensor):
                 state.encoder_outputs[key] = value.index_select(0, index)
         state.attention_mask = state.attention_mask.index_select(0, index)
-        state.cache.reorder_cache(index)  # self- and cross-attention caches alike
+        cache_index = index if parents is None else torch.from_numpy(np.ascontiguousarray(parents, dtype=np.int64))
+        state.cache.reorder_cache(cache_index)  # self- and cross-attention caches alike
 
     @torch.inference_mode()
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
