@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import native
 from .base import sentences_of
 from .generation import GenerationDefaults, SpecialTokens
 from .options import DecodeOptions
@@ -34,15 +35,42 @@ class _Finished:
 class _StepRecord:
     """What one beam-search step leaves behind; hypotheses are read back through `parent`."""
 
-    parent: np.ndarray  # (rows,) the input row each next-step row continues
-    token: np.ndarray  # (rows,) the token each next-step row appended
-    logprob: np.ndarray  # (rows,) its processed log-prob
-    top_ids: np.ndarray  # (rows, k) per input row: the divergence view's alternatives
-    top_logprobs: np.ndarray  # (rows, k)
-    non_finite: np.ndarray  # (rows,) per input row
+    parent: np.ndarray  # (b * n,) the input row each next-step row continues
+    token: np.ndarray  # (b * n,) the token each next-step row appended
+    computed: np.ndarray | None  # the rows the step computed (None: all b * n); the arrays below are theirs
+    logprob: np.ndarray  # (computed,) the appended token's processed log-prob
+    top_ids: np.ndarray  # (computed, k): the divergence view's alternatives
+    top_logprobs: np.ndarray  # (computed, k)
+    non_finite: np.ndarray  # (computed,)
+
+    def at(self, row: int) -> int:
+        """Where row `row` (of all b * n) is in the computed rows' arrays."""
+        if self.computed is None:
+            return row
+        i = int(np.searchsorted(self.computed, row))
+        if i == len(self.computed) or self.computed[i] != row:
+            raise IndexError(f"row {row} was not computed at this step")
+        return i
 
 
 _NEG = -1.0e9  # generate()'s "not this one" score
+
+
+def _select(running: np.ndarray, ids: np.ndarray, values: np.ndarray, keep: int, vocab: int, eos: int, capped: bool):
+    """Steps 2 and 3 of `BeamSearchDecoder` (`native.beam_select` where compiled, which must agree):
+    running (b, n), ids and values (b * n, K) best first -> each sentence's best `keep`
+    continuations (b, keep): scores, beams, tokens, log-probs, hits, and the n of them that go on."""
+    b, n = running.shape
+    scores = (running.reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
+    beam = np.repeat(np.arange(n), keep)  # (n * keep,) the local beam of each column
+    tokens = ids[:, :keep].reshape(b, n * keep)
+    order = np.lexsort((beam * vocab + tokens, -scores), axis=-1)[:, :keep]  # (b, keep)
+    top_scores = np.take_along_axis(scores, order, axis=-1)
+    top_tokens = np.take_along_axis(tokens, order, axis=-1)
+    top_logprobs = np.take_along_axis(values[:, :keep].reshape(b, n * keep), order, axis=-1)
+    hits = (top_tokens == eos) | capped
+    nxt = np.argsort(-(top_scores + hits * _NEG), axis=-1, kind="stable")[:, :n]  # (b, n)
+    return top_scores, beam[order], top_tokens, top_logprobs, hits, nxt
 
 
 class BeamSearchDecoder:
@@ -122,20 +150,13 @@ class BeamSearchDecoder:
         # 1. processed log-probs: ids (r, K) and their values (r, K) float64, best first
         prepare(self.processors, step, decoder_ids if rows is None else decoder_ids[rows])
         ids, values, non_finite = beam_scores(logits, self.processors, self.candidates, self.threads)
-        # 2. the best 2n continuations of each sentence over its n beams
-        keep = 2 * n
-        scores = (self.running[sentences].reshape(-1, 1) + values[:, :keep]).reshape(b, n * keep)
-        beam = np.repeat(np.arange(n), keep)  # (n * keep,) the local beam of each column
-        tokens = ids[:, :keep].reshape(b, n * keep)
-        order = np.lexsort((beam * vocab + tokens, -scores), axis=-1)[:, :keep]  # (b, 2n)
-        top_scores = np.take_along_axis(scores, order, axis=-1)
-        top_beams = beam[order]
-        top_tokens = np.take_along_axis(tokens, order, axis=-1)
-        top_logprobs = np.take_along_axis(values[:, :keep].reshape(b, n * keep), order, axis=-1)
-        # 3. stops, and the n best that go on
-        hits = (top_tokens == eos) | (step + 1 >= o.max_new_tokens)
+        # 2. the best 2n continuations of each sentence over its n beams; 3. stops, and the n best
+        # that go on
+        keep, capped = 2 * n, step + 1 >= o.max_new_tokens
+        chosen = native.beam_select(self.running[sentences], ids, values, keep, vocab, eos, capped)
+        top_scores, top_beams, top_tokens, top_logprobs, hits, nxt = chosen or _select(
+            self.running[sentences], ids, values, keep, vocab, eos, capped)
         running = top_scores + hits * _NEG
-        nxt = np.argsort(-running, axis=-1, kind="stable")[:, :n]  # (b, n)
         offsets = (sentences * n)[:, None]  # each sentence's first row in decoder_ids
         # (b * n,) over all rows of decoder_ids: a row not computed continues itself with pad
         parents = (np.take_along_axis(top_beams, nxt, axis=-1) + offsets).reshape(-1)
@@ -149,10 +170,11 @@ class BeamSearchDecoder:
             _StepRecord(
                 parent=beam_idx,
                 token=new_tokens,
-                logprob=self._in_global_rows(rows, np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1), 0.0),
-                top_ids=self._in_global_rows(rows, ids[:, : o.top_k], 0),
-                top_logprobs=self._in_global_rows(rows, values[:, : o.top_k], 0.0),
-                non_finite=self._in_global_rows(rows, non_finite, False),
+                computed=rows,
+                logprob=np.take_along_axis(top_logprobs, nxt, axis=-1).reshape(-1),
+                top_ids=ids[:, : o.top_k],
+                top_logprobs=values[:, : o.top_k],
+                non_finite=non_finite,
             )
         )
         # 4. finished hypotheses (using the heuristic's verdict from the previous step)
@@ -193,12 +215,13 @@ class BeamSearchDecoder:
         token, logprob, row = h.token, h.logprob, h.row
         for step in range(h.step, -1, -1):
             rec = self.history[step]
-            steps.append(StepScore(int(token), float(logprob), rec.top_ids[row].tolist(), rec.top_logprobs[row].tolist()))
-            if rec.non_finite[row]:
+            i = rec.at(row)
+            steps.append(StepScore(int(token), float(logprob), rec.top_ids[i].tolist(), rec.top_logprobs[i].tolist()))
+            if rec.non_finite[i]:
                 non_finite.append(step)
             if step:
                 prev = self.history[step - 1]
-                token, logprob, row = prev.token[row], prev.logprob[row], prev.parent[row]
+                token, logprob, row = prev.token[row], prev.logprob[prev.at(row)], prev.parent[row]
         return steps[::-1], non_finite[::-1]
 
     def finish(self, timings: dict[str, float]) -> list[RowResult]:
@@ -212,7 +235,8 @@ class BeamSearchDecoder:
                 for j in range(self.width):
                     row = s * self.width + j
                     score = self.running[s, j] / (last + 1) ** o.length_penalty
-                    hyps.append(_Finished(float(score), last, int(rec.parent[row]), int(rec.token[row]), float(rec.logprob[row])))
+                    hyps.append(_Finished(float(score), last, int(rec.parent[row]), int(rec.token[row]),
+                                          float(rec.logprob[rec.at(row)])))
             out = []
             for h in hyps[: o.num_return_sequences]:
                 steps, non_finite = self._read_back(h)

@@ -85,7 +85,9 @@ def _load():
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, str(e)
-    f32, f64, i64, u8 = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.float32, np.float64, np.int64, np.uint8))
+    # Arrays go in as bare addresses (`_address` checks them): ndpointer's checks cost more than a
+    # small step's whole scoring.
+    f32 = f64 = i64 = u8 = ctypes.c_void_p
     lib.row_log_normalizer.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, f64, u8]
     lib.row_log_normalizer.restype = None
     lib.row_top_k.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, i64]
@@ -93,6 +95,9 @@ def _load():
     lib.beam_rows.argtypes = [f32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, i64, ctypes.c_int64, i64, i64, i64,
                               i64, ctypes.c_double, ctypes.c_int64, u8, i64, f64, i64]
     lib.beam_rows.restype = None
+    lib.beam_select.argtypes = [ctypes.c_int64] * 5 + [f64, i64, f64, ctypes.c_int64, ctypes.c_int64, f64, i64, i64,
+                                                       f64, u8, i64]
+    lib.beam_select.restype = None
     return lib, None
 
 
@@ -126,12 +131,21 @@ def usable(logits: np.ndarray) -> bool:
     return logits.dtype == np.float32 and logits.ndim == 2 and logits.flags.c_contiguous and library() is not None
 
 
+def _address(array: np.ndarray, dtype) -> int:
+    """The address of a C-contiguous array of `dtype`, as rows.c reads it."""
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise TypeError(f"rows.c takes C-contiguous {np.dtype(dtype).name} arrays, got {array.dtype} "
+                        f"(C-contiguous: {array.flags.c_contiguous})")
+    return array.__array_interface__["data"][0]
+
+
 def log_normalizer(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """logits (r, V) float32 C-contiguous -> log-sum-exp (r,) float64 (NaN where the row is not
     finite) and the non-finite rows (r,) bool."""
     rows, v = logits.shape
     lse, non_finite = np.empty(rows), np.empty(rows, dtype=np.uint8)
-    library().row_log_normalizer(logits, rows, v, lse, non_finite)
+    library().row_log_normalizer(_address(logits, np.float32), rows, v, _address(lse, np.float64),
+                                 _address(non_finite, np.uint8))
     return lse, non_finite.view(bool)
 
 
@@ -142,7 +156,7 @@ def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
         return None
     rows, v = logits.shape
     ids, found = np.empty((rows, k), dtype=np.int64), np.empty(rows, dtype=np.int64)
-    library().row_top_k(logits, rows, v, k, ids, found)
+    library().row_top_k(_address(logits, np.float32), rows, v, k, _address(ids, np.int64), _address(found, np.int64))
     return ids, found
 
 
@@ -158,6 +172,32 @@ def beam_rows(logits: np.ndarray, k: int, shared: np.ndarray, masked: tuple[np.n
     rows, v = logits.shape
     non_finite = np.zeros(rows, dtype=np.uint8)
     ids, values, found = np.zeros((rows, k), dtype=np.int64), np.zeros((rows, k)), np.zeros(rows, dtype=np.int64)
-    library().beam_rows(logits, rows, v, k, shared, len(shared), masked[0], masked[1], penalised[0], penalised[1],
-                        penalty, threads, non_finite, ids, values, found)
+    i64 = np.int64
+    library().beam_rows(_address(logits, np.float32), rows, v, k, _address(shared, i64), len(shared),
+                        _address(masked[0], i64), _address(masked[1], i64), _address(penalised[0], i64),
+                        _address(penalised[1], i64), penalty, threads, _address(non_finite, np.uint8),
+                        _address(ids, i64), _address(values, np.float64), _address(found, i64))
     return non_finite.view(bool), ids, values, found
+
+
+def beam_select(running: np.ndarray, ids: np.ndarray, values: np.ndarray, keep: int, vocab: int, eos: int,
+                capped: bool):
+    """Beam search's choice of a step's continuations (rows.c `beam_select`): running (b, n) float64,
+    ids (b * n, K) int64 and values (b * n, K) float64 best first -> the best `keep` continuations of
+    each sentence, (b, keep) each: scores, beams, tokens, log-probs, hits (bool), and which n of
+    them go on (b, n); None when the library is not loaded or `keep` is beyond its buffer."""
+    lib = library()
+    b, n = running.shape
+    if lib is None or not n <= keep <= 512 or ids.shape[1] < keep:
+        return None
+    ids, values = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(values, dtype=np.float64)
+    running = np.ascontiguousarray(running, dtype=np.float64)
+    scores, logprobs = np.empty((b, keep)), np.empty((b, keep))
+    beams, tokens = np.empty((b, keep), dtype=np.int64), np.empty((b, keep), dtype=np.int64)
+    hits, chosen = np.empty((b, keep), dtype=np.uint8), np.empty((b, n), dtype=np.int64)
+    i64 = np.int64
+    lib.beam_select(b, n, keep, ids.shape[1], vocab, _address(running, np.float64), _address(ids, i64),
+                    _address(values, np.float64), eos, int(capped), _address(scores, np.float64),
+                    _address(beams, i64), _address(tokens, i64), _address(logprobs, np.float64),
+                    _address(hits, np.uint8), _address(chosen, i64))
+    return scores, beams, tokens, logprobs, hits.view(bool), chosen

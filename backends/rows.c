@@ -262,3 +262,63 @@ void beam_rows(const float *logits, int64_t rows, int64_t v, int64_t k, const in
     for (int64_t i = 1; i <= started; i++)
         pthread_join(workers[i], NULL);
 }
+
+/* Whether candidate a ranks before candidate b: the higher score, then the lower key; NaN ranks
+ * last (as numpy's sorts place it). */
+static inline int ranks_before(double sa, int64_t ka, double sb, int64_t kb)
+{
+    if (isnan(sa) || isnan(sb))
+        return isnan(sa) ? (isnan(sb) && ka < kb) : 1;
+    return sa > sb || (sa == sb && ka < kb);
+}
+
+/* Beam search's choice of a step's continuations, as beam_search.BeamSearchDecoder.update's numpy
+ * path defines it. Per sentence s: each of its n beams' running score plus the beam's first `keep`
+ * log-probs (ids and values: (sentences * n, width), best first) are its n * keep candidates; the
+ * best `keep` of them, by score and then by beam * vocab + id, go to top_* (sentences, keep); a
+ * candidate hits a stop when its id is eos or `capped`; of those that do not, the best n by score
+ * (a stop counts -1e9; ties: the earlier) go on: `next` (sentences, n) says which of the keep. */
+void beam_select(int64_t sentences, int64_t n, int64_t keep, int64_t width, int64_t vocab, const double *running,
+                 const int64_t *ids, const double *values, int64_t eos, int64_t capped, double *top_scores,
+                 int64_t *top_beams, int64_t *top_tokens, double *top_logprobs, uint8_t *hits, int64_t *next)
+{
+    int64_t key[512];
+    if (keep < 1 || keep > 512 || n < 1 || n > keep)
+        return;
+    for (int64_t s = 0; s < sentences; s++) {
+        double *score = top_scores + s * keep, *lp = top_logprobs + s * keep;
+        int64_t *beam = top_beams + s * keep, *token = top_tokens + s * keep, found = 0;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t row = s * n + j;
+            for (int64_t c = 0; c < keep; c++) {
+                double x = running[row] + values[row * width + c];
+                int64_t id = ids[row * width + c], kx = j * vocab + id;
+                if (found == keep && !ranks_before(x, kx, score[keep - 1], key[keep - 1]))
+                    continue;
+                int64_t at = found < keep ? found++ : keep - 1;
+                while (at > 0 && ranks_before(x, kx, score[at - 1], key[at - 1])) {
+                    score[at] = score[at - 1], key[at] = key[at - 1], beam[at] = beam[at - 1];
+                    token[at] = token[at - 1], lp[at] = lp[at - 1];
+                    at--;
+                }
+                score[at] = x, key[at] = kx, beam[at] = j, token[at] = id, lp[at] = values[row * width + c];
+            }
+        }
+        /* the n best of running = score + hit * -1e9, ties to the earlier (a stable sort) */
+        double go[512];
+        int64_t *pick = next + s * n, picked = 0;
+        for (int64_t c = 0; c < keep; c++) {
+            uint8_t hit = token[c] == eos || capped;
+            hits[s * keep + c] = hit;
+            go[c] = score[c] + (double)hit * -1.0e9;
+            if (picked == n && !ranks_before(go[c], c, go[pick[n - 1]], pick[n - 1]))
+                continue;
+            int64_t at = picked < n ? picked++ : n - 1;
+            while (at > 0 && ranks_before(go[c], c, go[pick[at - 1]], pick[at - 1])) {
+                pick[at] = pick[at - 1];
+                at--;
+            }
+            pick[at] = c;
+        }
+    }
+}

@@ -312,10 +312,17 @@ def beam_scores(
 
 def _by_row(pairs: list[Pairs], rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, ids) pairs -> (offsets (rows + 1,), ids ascending within each row)."""
+    offsets = np.zeros(rows + 1, dtype=np.int64)
     if not pairs:
-        return np.zeros(rows + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    key = np.sort(np.concatenate([r.astype(np.int64) * vocab + i for r, i in pairs]))
-    return np.searchsorted(key // vocab, np.arange(rows + 1)), key % vocab
+        return offsets, np.zeros(0, dtype=np.int64)
+    r = np.concatenate([r for r, _ in pairs]).astype(np.int64, copy=False)
+    ids = np.concatenate([i for _, i in pairs]).astype(np.int64, copy=False)
+    key = r * vocab + ids
+    if len(key) > 1 and not (key[1:] >= key[:-1]).all():  # the repetition penalty's come in order
+        order = np.argsort(key, kind="stable")
+        r, ids = r[order], ids[order]
+    np.cumsum(np.bincount(r, minlength=rows), out=offsets[1:])
+    return offsets, ids
 
 
 def _compiled_beam_scores(logits, masks, penalty, k, threads):

@@ -81,6 +81,32 @@ def test_a_beam_step_with_penalty_and_bans_scores_as_its_definition(row_kernels)
     assert np.isin(ids, history).any(axis=1).mean() > 0.5  # penalised ids did enter most rows' top-k
 
 
+@pytest.mark.parametrize("capped", [False, True])
+def test_beam_search_s_choice_of_continuations_matches_its_numpy_definition(capped):
+    """rows.c's beam_select against beam_search._select: ties in score go to the lower beam, then
+    the lower id, ties among the running ones to the earlier; eos hits; NaN ranks last; -inf and
+    -1e9 running scores (a beam not yet live) take part as numbers."""
+    from backends.beam_search import _NEG, _select
+
+    if native.library() is None:
+        pytest.skip(f"no compiled passes here: {native.why_not()}")
+    rng = np.random.default_rng(7)
+    b, n, width, vocab, eos = 40, 4, 9, 50, 3
+    running = np.round(rng.standard_normal((b, n)), 1)
+    running[0, 1:] = _NEG  # the first step: one live beam
+    values = -np.sort(np.round(rng.exponential(1.0, (b * n, width)), 1), axis=1)  # coarse: many ties
+    ids = np.stack([rng.permutation(vocab)[:width] for _ in range(b * n)])
+    ids[rng.random((b * n, width)) < 0.15] = eos
+    values[5, 3:] = -np.inf
+    values[9, 0] = np.nan
+    running[11] = running[11, 0]  # every beam of a sentence level
+    got = native.beam_select(running, ids, values, 2 * n, vocab, eos, capped)
+    want = _select(running, ids, values, 2 * n, vocab, eos, capped)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.array_equal(g, w, equal_nan=True)
+
+
 def test_without_a_compiler_the_scoring_runs_in_numpy_and_says_why(monkeypatch):
     monkeypatch.delenv(native.ENV, raising=False)
     monkeypatch.delenv("CC", raising=False)
