@@ -152,10 +152,10 @@ class BeamSearchDecoder:
         ids, values, non_finite = beam_scores(logits, self.processors, self.candidates, self.threads)
         # 2. the best 2n continuations of each sentence over its n beams; 3. stops, and the n best
         # that go on
-        keep, capped = 2 * n, step + 1 >= o.max_new_tokens
-        chosen = native.beam_select(self.running[sentences], ids, values, keep, vocab, eos, capped)
+        keep, capped, live = 2 * n, step + 1 >= o.max_new_tokens, self.running[sentences]
+        chosen = native.beam_select(live, ids, values, keep, vocab, eos, capped)
         top_scores, top_beams, top_tokens, top_logprobs, hits, nxt = chosen or _select(
-            self.running[sentences], ids, values, keep, vocab, eos, capped)
+            live, ids, values, keep, vocab, eos, capped)
         running = top_scores + hits * _NEG
         offsets = (sentences * n)[:, None]  # each sentence's first row in decoder_ids
         # (b * n,) over all rows of decoder_ids: a row not computed continues itself with pad
