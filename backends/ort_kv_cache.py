@@ -12,7 +12,9 @@ each step and back. Only the logits are viewed as numpy, without a copy.
 Beam search: an export's decoder takes each sentence's cross-attention keys/values and source mask
 once for all of its beams (inputs batched by `CROSS_BATCH`, export/attention.share_cross_attention),
 so `expand` only widens the self-attention cache; a decoder without that rewrite gets them
-repeated once per beam (one Gather, right after the encoder). `reorder` gathers the
+repeated once per beam. The widening waits for the first step: until a beam has chosen a token, a
+sentence's beams are copies of one row, so that step runs once per sentence (as CTranslate2's beam
+search does) and its cache rows and logits are repeated. `reorder` gathers the
 self-attention cache rows by beam index after each step. Both run a tiny Gather graph built at
 load time (`ort_session.gather_rows_graph`) on the OrtValues themselves, so the cache stays ORT-owned.
 """
@@ -41,6 +43,7 @@ class _State:
     past: list[ort.OrtValue]  # per layer key, value: (b, h, p, d)
     mask: np.ndarray  # the buffer behind attention_mask (an OrtValue does not own it)
     beams: int = 1  # decoder rows per sentence; cross and mask hold one row per sentence when shared
+    widen: int = 1  # from expand: rows per sentence to make after the first step
 
 
 def _value(array: np.ndarray) -> ort.OrtValue:
@@ -130,16 +133,20 @@ class KVCacheStepModel:
         return list(session.run_with_ort_values([f"y{i}" for i in range(len(values))], feeds))
 
     def expand(self, state: _State, n: int) -> None:
-        """Each sentence's rows n times ([s0 x n, s1 x n, ...]), once, before the first step. A
-        shared cross-attention keeps one row per sentence; otherwise its keys/values are gathered,
-        not recomputed."""
-        rows = state.mask.shape[0]
-        state.beams = n
+        """Each sentence's rows n times ([s0 x n, s1 x n, ...]), made by the first `step` (see the
+        module docstring)."""
+        state.widen = n
+
+    def _widen(self, state: _State) -> None:
+        """The self-attention cache, and a cross-attention that is not shared, n rows per sentence:
+        gathered, not recomputed."""
+        n, index = state.widen, np.repeat(np.arange(state.mask.shape[0]), state.widen)
+        state.past = self._gather(state.past, index)  # (b * n, h, p, d)
         if not self.shared_cross:
-            state.cross = self._gather(state.cross, np.repeat(np.arange(rows), n))  # (b * n, h, s, d)
+            state.cross = self._gather(state.cross, index)  # (b * n, h, s, d)
             state.mask = np.repeat(state.mask, n, axis=0)  # (b * n, s)
             state.attention_mask = _value(state.mask)
-        state.past = self._empty_past(rows * n)
+        state.beams, state.widen = n, 1
 
     def reorder(self, state: _State, beam_idx: np.ndarray) -> None:
         """Row i of the self-attention cache continues from row beam_idx[i]; cross-attention rows
@@ -163,6 +170,16 @@ class KVCacheStepModel:
         state.attention_mask = _value(state.mask)
 
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
+        n = state.widen
+        if n > 1:
+            if np.array_equal(decoder_ids, np.repeat(decoder_ids[::n], n, axis=0)):
+                logits = self._run(state, decoder_ids[::n])  # (b, V): one row per sentence
+                self._widen(state)
+                return np.repeat(logits, n, axis=0)  # (b * n, V)
+            self._widen(state)  # the beams already differ: every row runs
+        return self._run(state, decoder_ids)
+
+    def _run(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": _value(decoder_ids[:, -1:]), "encoder_attention_mask": state.attention_mask}  # (b, 1)
         feeds.update(zip(self.cross_names, state.cross))
         feeds.update(zip(self.past_names, state.past))

@@ -548,9 +548,12 @@ def test_kv_cache_stays_in_ort_and_cross_attention_is_computed_once(peaked, monk
     layers = engine.layers
     assert runs["encoder"] == 1
     # The cross-attention keys/values stay at one row per sentence (the decoder shares them across
-    # a sentence's beams): every gather is a reorder of the self-attention cache.
+    # a sentence's beams). The first step runs once per sentence; then its self-attention cache is
+    # widened to 4 rows each, and every later gather is a reorder of that cache.
     assert engine.shared_cross
-    reorders = runs["gather"]
+    (widen_n, widen_shape, widen_index), *reorders = runs["gather"]
+    assert widen_n == 2 * layers and widen_shape[0] == 2 and widen_shape[2] == 1
+    assert widen_index == [0, 0, 0, 0, 1, 1, 1, 1]
     assert reorders and all(n == 2 * layers and shape[0] == 8 for n, shape, _ in reorders)
     assert all(len(shape) == 3 for shape in to_numpy)  # only the logits (rows, 1, V) leave ORT
     assert all(len(shape) < 4 or shape[2] == 0 for shape in from_numpy)  # no cache enters from numpy
@@ -782,14 +785,46 @@ def test_kv_engines_share_each_sentences_cross_attention_across_its_beams(embedd
     batch = embedded[name].tokenizer.encode(["The cat sat on the mat.", "Open the file.", "Save it."], 64)
     state = engine.encode(batch.input_ids, batch.attention_mask)
     engine.expand(state, 4)
-    assert state.cross[0].shape()[0] == 3 and state.past[0].shape()[0] == 12 and state.mask.shape[0] == 3
     decoder_ids = np.full((12, 1), embedded[name].special.decoder_start, dtype=np.int64)
     assert engine.step(state, decoder_ids).shape[0] == 12
+    assert state.cross[0].shape()[0] == 3 and state.past[0].shape()[0] == 12 and state.mask.shape[0] == 3
     engine.keep(state, np.arange(4, 12))
     assert state.cross[0].shape()[0] == 2 and state.past[0].shape()[0] == 8
     assert np.array_equal(state.mask, batch.attention_mask[1:])
     with pytest.raises(ValueError, match="whole sentences"):
         engine.keep(state, np.array([0, 1, 2, 4, 5, 6, 7, 3]))
+
+
+@pytest.mark.parametrize("name", ["ort_fp32_kv_cache", "ort_int8"])
+def test_kv_engines_run_the_first_beam_step_once_per_sentence(embedded, name):
+    """Until a beam has chosen a token, a sentence's beams are copies of one row: the first step
+    runs once per sentence and its logits and cache are repeated, with the numbers of each sentence
+    entered four times. Beams that already differ all run."""
+    backend = embedded[name]
+    engine, start = backend.model, backend.special.decoder_start
+    batch = backend.tokenizer.encode(["The cat sat on the mat.", "Open the file.", "Save it."], 64)
+    shared = engine.encode(batch.input_ids, batch.attention_mask)
+    engine.expand(shared, 4)
+    assert shared.past[0].shape()[0] == 3  # not widened before the first step
+    ids = np.full((12, 1), start, dtype=np.int64)
+    copies = np.array(engine.step(shared, ids))
+    np.testing.assert_array_equal(copies, np.repeat(copies[::4], 4, axis=0))
+    assert shared.past[0].shape()[0] == 12 and shared.beams == 4
+
+    entered = engine.encode(np.repeat(batch.input_ids, 4, axis=0), np.repeat(batch.attention_mask, 4, axis=0))
+    np.testing.assert_allclose(engine.step(entered, ids), copies, atol=1e-4)
+    nxt = np.concatenate([ids, np.argmax(copies, axis=-1)[:, None]], axis=1)
+    np.testing.assert_allclose(engine.step(shared, nxt), engine.step(entered, nxt), atol=1e-4)
+
+    apart = engine.encode(batch.input_ids, batch.attention_mask)
+    engine.expand(apart, 4)
+    differ = ids.copy()
+    differ[5, 0] = backend.special.eos  # one beam of the second sentence starts elsewhere
+    every = np.array(engine.step(apart, differ))
+    assert apart.past[0].shape()[0] == 12 and np.abs(every[5] - copies[5]).max() > 1e-3
+    if name != "ort_int8":  # int8 quantizes each step's activations by the whole batch's range
+        same = np.flatnonzero(differ[:, 0] == start)
+        np.testing.assert_allclose(every[same], copies[same], atol=1e-4)
 
 
 def test_beam_search_rows_must_be_whole_sentences():
