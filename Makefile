@@ -70,10 +70,11 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 # Speed runs leave out ort_fp32_single_step (the naive baseline: minutes per round at batch 32;
 # `python -m bench speed` without --backends times it). Medians of 3 rounds, run round-robin; then
 # each target against a peer again as back-to-back pairs of processes (--paired-rounds), which decide it.
+# Both time 4 batches of 32: a pair over 2 batches (under a second) swung with this host's noise.
 SPEED_BACKENDS := pytorch,ort_fp32_kv_cache,ort_fp16,ort_int8
 bench: engine bench-venv
 	$(PY) -m bench speed --peers --rounds 3 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --paired-rounds 10 --out bench-results/embedded
-	$(PY) -m bench speed --peers --num-beams 4 --quick --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --paired-rounds 6 --out bench-results/embedded-beam4
+	$(PY) -m bench speed --peers --num-beams 4 --quick --throughput-sentences 128 --batch-sizes 32 --backends $(SPEED_BACKENDS) --rounds 2 --paired-rounds 6 --out bench-results/embedded-beam4
 	$(PY) -m bench quality --out bench-results/embedded-quality
 
 runs/fixtures/opus-mt-random/config.json: | setup
