@@ -43,3 +43,9 @@ def sentences_of(rows: np.ndarray, n: int) -> np.ndarray | None:
     sentences = rows[::n] // n
     whole = np.array_equal(rows, (sentences[:, None] * n + np.arange(n)).reshape(-1))
     return sentences if whole else None
+
+
+def beams_are_copies(decoder_ids: np.ndarray, n: int) -> bool:
+    """Whether each sentence's n rows of decoder_ids ([s0 x n, s1 x n, ...]) are one row n times:
+    before a beam has chosen a token they are, and an engine may run a step once per sentence."""
+    return n > 1 and np.array_equal(decoder_ids, np.repeat(decoder_ids[::n], n, axis=0))

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from .base import beams_are_copies
 from .external_check import PROBE_TEXTS, check  # noqa: F401  (this module's API too)
 from .external_layout import (  # noqa: F401  (this module's API too)
     LAYOUT,
@@ -262,7 +263,7 @@ class ExternalStepModel:
 
     def _first_step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         n = state.repeat
-        if n > 1 and not np.array_equal(decoder_ids, np.repeat(decoder_ids[::n], n, axis=0)):
+        if n > 1 and not beams_are_copies(decoder_ids, n):
             self._repeat_source(state, n)  # beams already differ: no row to share, run them all
             n = 1
         graph = self.first

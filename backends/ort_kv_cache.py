@@ -29,7 +29,7 @@ import onnxruntime as ort
 
 from runtime.memory import release_freed_memory
 
-from .base import sentences_of
+from .base import beams_are_copies, sentences_of
 from .manifest import CROSS_BATCH
 from .ort_session import SessionConfig, create_session, gather_rows_graph, session_info
 
@@ -172,7 +172,7 @@ class KVCacheStepModel:
     def step(self, state: _State, decoder_ids: np.ndarray) -> np.ndarray:
         n = state.widen
         if n > 1:
-            if np.array_equal(decoder_ids, np.repeat(decoder_ids[::n], n, axis=0)):
+            if beams_are_copies(decoder_ids, n):
                 logits = self._run(state, decoder_ids[::n])  # (b, V): one row per sentence
                 self._widen(state)
                 return np.repeat(logits, n, axis=0)  # (b * n, V)
